@@ -1,0 +1,405 @@
+"""The experiment config: one typed model, documented once.
+
+Every field's docstring is its help text: ``p2ptrain config reference`` renders them to
+``docs/config.md``. Sources, highest precedence first:
+
+1. command-line flags and ``--set section.key=value``,
+2. environment variables ``P2PTRAIN_<SECTION>__<KEY>`` (e.g. ``P2PTRAIN_INNER__LR=3e-4``),
+3. the YAML file,
+4. the defaults below (which are ``configs/default.yaml``).
+
+Unknown keys, wrong types and impossible combinations raise :class:`ConfigError`, whose
+message names the field path; the CLI turns it into exit code 2.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import hashlib
+import json
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic.fields import FieldInfo
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+ENV_PREFIX = "P2PTRAIN_"
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.yaml"
+
+_RUN_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+class ConfigError(ValueError):
+    """A user's config is wrong. The message is one line per problem, each naming the field."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+
+
+class RunConfig(_Section):
+    run_id: str = "p2ptrain-default"
+    """Name of the training run. Peers train together only if their run_id matches; every DHT key lives
+    under it. Letters, digits, '-' and '_' only."""
+    seed: int = 0
+    """Seed for model initialization and data order. Every peer of a run must use the same seed."""
+
+    @field_validator("run_id")
+    @classmethod
+    def _check_run_id(cls, value: str) -> str:
+        if not _RUN_ID.match(value):
+            raise ValueError("must be 1-64 characters of letters, digits, '-' and '_'")
+        return value
+
+
+class ModelConfig(_Section):
+    name: Literal["gpt-nano", "gpt-micro", "gpt-mini", "gpt-small"] = "gpt-micro"
+    """Model from the zoo (p2ptrain/models.py): byte-level GPTs from 0.1M to 10M parameters."""
+    context_length: int = Field(default=128, ge=8, le=4096)
+    """Tokens (bytes) per training sequence."""
+    dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
+    """Dropout probability inside the transformer blocks."""
+
+
+class DataConfig(_Section):
+    source: Literal["pydoc", "text"] = "pydoc"
+    """'pydoc': the documentation topics that ship with every Python (offline, ~0.47 MB).
+    'text': a UTF-8 text file of your own, given in data.path."""
+    path: Path | None = None
+    """The text file for source 'text'."""
+    val_fraction: float = Field(default=0.05, gt=0.0, lt=0.5)
+    """Fraction of the corpus (its end) held out for validation."""
+    eval_batches: int = Field(default=20, ge=1)
+    """Validation batches (of inner.batch_size sequences) used to compute the validation loss."""
+
+    @model_validator(mode="after")
+    def _check_path(self) -> DataConfig:
+        if self.source == "text":
+            if self.path is None:
+                raise ValueError("data.path is required when data.source is 'text'")
+            if not self.path.is_file():
+                raise ValueError(f"data.path: no such file: {self.path}")
+        elif self.path is not None:
+            raise ValueError("data.path is only used with data.source 'text'")
+        return self
+
+
+class InnerConfig(_Section):
+    optimizer: Literal["adamw"] = "adamw"
+    """Inner optimizer, run locally on each peer's device."""
+    lr: float = Field(default=1e-3, gt=0.0)
+    """Inner learning rate (peak, after warmup)."""
+    weight_decay: float = Field(default=0.1, ge=0.0)
+    """AdamW weight decay."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW betas."""
+    warmup_steps: int = Field(default=20, ge=0)
+    """Linear warmup of the inner learning rate over this many local steps (counted across rounds)."""
+    batch_size: int = Field(default=16, ge=1)
+    """Sequences per inner step on this peer."""
+    num_inner_steps: int = Field(default=50, ge=1)
+    """H: inner steps per round before the peers average their pseudo-gradients."""
+    grad_clip: float = Field(default=1.0, ge=0.0)
+    """Clip the gradient norm to this value; 0 turns clipping off."""
+
+
+class OuterConfig(_Section):
+    lr: float = Field(default=0.7, gt=0.0)
+    """Outer learning rate of the SGD step on the averaged pseudo-gradient (DiLoCo: 0.7)."""
+    momentum: float = Field(default=0.9, ge=0.0, lt=1.0)
+    """Outer momentum (DiLoCo: 0.9)."""
+    nesterov: bool = True
+    """Use Nesterov momentum for the outer step (DiLoCo: yes)."""
+    num_rounds: int = Field(default=10, ge=1)
+    """Outer rounds to train. Every peer stops after this round and writes the final model."""
+
+
+class AveragingConfig(_Section):
+    compression: Literal["none", "fp16"] = "none"
+    """Wire format of pseudo-gradients in the all-reduce."""
+    min_group_size: int = Field(default=2, ge=1)
+    """Smallest group worth an all-reduce; a peer that finds fewer applies its own pseudo-gradient."""
+    target_group_size: int = Field(default=64, ge=2)
+    """Largest group in one all-reduce. DiLoCo wants the whole swarm in one group."""
+    matchmaking_time_s: float = Field(default=3.0, gt=0.0)
+    """How long a peer gathers a group before the all-reduce starts."""
+    request_timeout_s: float = Field(default=1.5, gt=0.0)
+    """Timeout of one matchmaking request. Must be smaller than averaging.matchmaking_time_s."""
+    allreduce_timeout_s: float = Field(default=60.0, gt=0.0)
+    """Give up an all-reduce (and fall back to this peer's own pseudo-gradient) after this long."""
+    next_chunk_timeout_s: float = Field(default=10.0, gt=0.0)
+    """A groupmate silent for this long during the all-reduce is dropped from it."""
+    barrier_timeout_s: float = Field(default=300.0, gt=0.0)
+    """After its inner phase, a peer waits at most this long for the swarm's other peers of the same round
+    to finish theirs before it averages with whoever is ready."""
+    retries: int = Field(default=1, ge=0)
+    """Extra averaging attempts after a failed one, before the peer applies its own pseudo-gradient."""
+
+    @model_validator(mode="after")
+    def _check_timeouts(self) -> AveragingConfig:
+        if self.request_timeout_s >= self.matchmaking_time_s:
+            raise ValueError(
+                "averaging.request_timeout_s must be smaller than averaging.matchmaking_time_s "
+                f"({self.request_timeout_s} >= {self.matchmaking_time_s})"
+            )
+        if self.min_group_size > self.target_group_size:
+            raise ValueError("averaging.min_group_size must not exceed averaging.target_group_size")
+        return self
+
+
+class SwarmConfig(_Section):
+    initial_peers: list[str] = []
+    """Multiaddrs of peers already in the swarm, e.g. /ip4/203.0.113.5/tcp/31337/p2p/12D3Koo...
+    Empty: start a new swarm."""
+    host_maddrs: list[str] = ["/ip4/0.0.0.0/tcp/0"]
+    """Addresses to listen on. The default listens on all interfaces at a random port; pin a port
+    (e.g. /ip4/0.0.0.0/tcp/31337) to open it in a firewall."""
+    announce_maddrs: list[str] = []
+    """Public addresses to tell other peers, when they differ from the listening ones (NAT, port forwarding)."""
+    identity_path: Path | None = None
+    """File holding this peer's private key: created on first use, it keeps the peer id stable across restarts."""
+    client_mode: bool = False
+    """Run without accepting incoming connections (behind a NAT without port forwarding). Such a peer still
+    trains and sends its pseudo-gradients, but cannot serve as a reducer or state donor."""
+    use_relay: bool = True
+    """Allow connections through libp2p circuit relays."""
+    use_auto_relay: bool = False
+    """Look for relays automatically and advertise relayed addresses (for peers behind NAT)."""
+    bootstrap_timeout_s: float = Field(default=30.0, gt=0.0)
+    """Give up joining if no initial peer answers within this time."""
+    min_peers: int = Field(default=1, ge=1)
+    """Before its first round, wait until this many peers (this one included) are in the swarm. The demo sets
+    it to its number of peers so that nobody trains ahead alone."""
+    min_peers_timeout_s: float = Field(default=300.0, gt=0.0)
+    """Stop waiting for swarm.min_peers after this long and start with whoever is there."""
+    heartbeat_s: float = Field(default=2.0, gt=0.0)
+    """How often a peer refreshes its progress record in the DHT."""
+    record_ttl_s: float = Field(default=20.0, gt=0.0)
+    """A peer whose record is older than this is considered gone."""
+    state_download_timeout_s: float = Field(default=60.0, gt=0.0)
+    """Give up downloading the swarm's state from one donor after this long and try the next."""
+    linger_s: float = Field(default=30.0, ge=0.0)
+    """After its last round, a peer stays this long at most so that slower peers can finish and check
+    their final state against it."""
+
+    @field_validator("initial_peers", "host_maddrs", "announce_maddrs")
+    @classmethod
+    def _check_maddrs(cls, values: list[str]) -> list[str]:
+        from p2ptrain.swarm import parse_multiaddr  # local import: swarm imports hivemind
+
+        for value in values:
+            parse_multiaddr(value)
+        return values
+
+    @model_validator(mode="after")
+    def _check_ttl(self) -> SwarmConfig:
+        if self.record_ttl_s < 2 * self.heartbeat_s:
+            raise ValueError("swarm.record_ttl_s must be at least twice swarm.heartbeat_s")
+        return self
+
+
+class DeviceConfig(_Section):
+    kind: Literal["auto", "cpu", "cuda", "mps"] = "auto"
+    """Where inner steps run. 'auto' picks mps (Apple Silicon), then cuda, then cpu."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Autocast dtype of the inner forward pass. Master params and pseudo-gradients stay float32 on CPU."""
+    num_threads: int | None = Field(default=None, ge=1)
+    """Cap on torch's CPU threads (None: torch's default). The demo sets it so that peers share a machine fairly."""
+
+
+class CheckpointConfig(_Section):
+    dir: Path = Path("checkpoints")
+    """Where the final model (and periodic checkpoints) are written."""
+    every_rounds: int = Field(default=0, ge=0)
+    """Write a checkpoint every N rounds (0: only the final model)."""
+
+
+class LogConfig(_Section):
+    level: Literal["debug", "info", "warning", "error"] = "info"
+    """Log level for p2ptrain (hivemind's own records are shown from 'warning' unless this is 'debug')."""
+    format: Literal["auto", "json", "console"] = "auto"
+    """'auto': readable lines on a terminal, JSON lines otherwise."""
+
+
+class ExperimentConfig(BaseSettings):
+    """A p2ptrain experiment. All peers of a run should share every section except swarm, device and log."""
+
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX,
+        env_nested_delimiter="__",
+        extra="forbid",
+        use_attribute_docstrings=True,
+        validate_assignment=True,
+    )
+
+    run: RunConfig = RunConfig()
+    """Run identity."""
+    model: ModelConfig = ModelConfig()
+    """The model to train."""
+    data: DataConfig = DataConfig()
+    """The training corpus."""
+    inner: InnerConfig = InnerConfig()
+    """The local (inner) optimizer."""
+    outer: OuterConfig = OuterConfig()
+    """The outer optimizer and the length of the run."""
+    averaging: AveragingConfig = AveragingConfig()
+    """How peers find each other and average each round."""
+    swarm: SwarmConfig = SwarmConfig()
+    """Networking: how this peer joins and talks to the swarm."""
+    device: DeviceConfig = DeviceConfig()
+    """Local compute."""
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    """Checkpoints and the final model."""
+    log: LogConfig = LogConfig()
+    """Logging."""
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return init_settings, env_settings, _YamlSource(settings_cls)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+    def training_hash(self) -> str:
+        """Hash of the sections that must agree across peers (and across a checkpoint and its resume)."""
+        shared = self.model_dump(mode="json", include={"run", "model", "data", "inner", "outer"})
+        return hashlib.sha256(json.dumps(shared, sort_keys=True).encode()).hexdigest()[:16]
+
+
+# The YAML of the config being loaded. A context variable, not a class attribute, so that loading
+# two configs (tests, the demo) never races.
+_YAML_DATA: contextvars.ContextVar[dict[str, Any]] = contextvars.ContextVar("_YAML_DATA", default={})
+
+
+class _YamlSource(PydanticBaseSettingsSource):
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        return _YAML_DATA.get().get(field_name), field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        return dict(_YAML_DATA.get())
+
+
+def read_yaml(path: Path) -> dict[str, Any]:
+    """Read a config file into a dict, with a one-line error for unreadable or malformed files."""
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"{path}: not valid YAML{where}: {problem}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(data).__name__}")
+    return data
+
+
+def parse_set(assignments: list[str]) -> dict[str, Any]:
+    """Turn ``["inner.lr=3e-4", "swarm.initial_peers=[a, b]"]`` into a nested dict (values parsed as YAML)."""
+    result: dict[str, Any] = {}
+    for item in assignments:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--set {item!r}: expected section.key=value")
+        parts = key.strip().split(".")
+        if len(parts) < 2 or not all(parts):
+            raise ConfigError(f"--set {item!r}: the key must be section.key, e.g. inner.lr=3e-4")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else None
+        except yaml.YAMLError:
+            value = raw
+        node = result
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"--set {item!r}: {part} is set to a value and used as a section")
+        node[parts[-1]] = value
+    return result
+
+
+def deep_merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = deep_merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def load_config(path: Path | None = None, overrides: dict[str, Any] | None = None) -> ExperimentConfig:
+    """Resolve a config from YAML, ``P2PTRAIN_`` env vars and overrides (flags, ``--set``).
+
+    Args:
+        path: a YAML file; None uses configs/default.yaml when it exists, else the built-in defaults.
+        overrides: a nested dict, highest precedence.
+
+    Raises:
+        ConfigError: one line per problem, each naming the field path.
+    """
+    if path is None and DEFAULT_CONFIG.is_file():
+        path = DEFAULT_CONFIG
+    data = read_yaml(path) if path is not None else {}
+    token = _YAML_DATA.set(data)
+    try:
+        return ExperimentConfig(**(overrides or {}))
+    except ValidationError as e:
+        raise ConfigError(format_validation_error(e, source=str(path) if path else None)) from None
+    finally:
+        _YAML_DATA.reset(token)
+
+
+def format_validation_error(error: ValidationError, source: str | None = None) -> str:
+    lines = []
+    for item in error.errors():
+        where = ".".join(str(part) for part in item["loc"])
+        message = item["msg"]
+        if message.startswith("Value error, "):
+            message = message[len("Value error, ") :]
+        if item["type"] == "extra_forbidden":
+            message = "unknown key"
+        elif "input" in item and item["type"] not in ("missing",) and not isinstance(item["input"], dict):
+            message = f"{message} (got {item['input']!r})"
+        prefix = f"{source}: " if source else ""
+        lines.append(f"{prefix}{where}: {message}" if where else f"{prefix}{message}")
+    return "\n".join(lines)
+
+
+def reference_markdown() -> str:
+    """The config reference (docs/config.md), generated from the field docstrings."""
+    out = [
+        "# Configuration reference",
+        "",
+        "Generated by `p2ptrain config reference` from `p2ptrain/config.py`; do not edit by hand.",
+        "",
+        "Precedence, highest first: command-line flags and `--set section.key=value`; environment variables",
+        "`P2PTRAIN_<SECTION>__<KEY>` (for example `P2PTRAIN_INNER__LR=3e-4`); the YAML file; the defaults below.",
+        "Unknown keys are errors.",
+        "",
+    ]
+    for section_name, section_field in ExperimentConfig.model_fields.items():
+        section_cls = section_field.annotation
+        assert isinstance(section_cls, type) and issubclass(section_cls, BaseModel)
+        out += [f"## `{section_name}`", "", section_field.description or "", ""]
+        out += ["| key | default | description |", "| --- | --- | --- |"]
+        for name, field in section_cls.model_fields.items():
+            default = json.dumps(field.default, default=str)
+            doc = " ".join((field.description or "").split())
+            out.append(f"| `{section_name}.{name}` | `{default}` | {doc} |")
+        out.append("")
+    return "\n".join(out)

@@ -1,0 +1,244 @@
+"""``p2ptrain demo``: a real swarm on this machine.
+
+Starts N ``p2ptrain join`` processes on 127.0.0.1 (the first one bootstraps, the others join
+through it), follows their JSON logs to show each round, evaluates every peer's final model and
+prints a summary. Every process it starts is stopped before it returns, also on Ctrl-C or errors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from p2ptrain.config import ExperimentConfig
+
+LOOPBACK = "/ip4/127.0.0.1/tcp/0"
+
+
+class DemoError(RuntimeError):
+    pass
+
+
+class Peer:
+    """One peer process, its stdout (addresses, final path) and its stderr (JSON log lines) followed."""
+
+    def __init__(self, index: int, cmd: list[str], log_path: Path, on_event):
+        self.index = index
+        self.log_path = log_path
+        self.stdout_lines: list[str] = []
+        self.events: list[dict] = []
+        self._log = open(log_path, "w")
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        self._on_event = on_event
+        self._threads = [
+            threading.Thread(target=self._read_stdout, daemon=True),
+            threading.Thread(target=self._read_stderr, daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
+
+    def _read_stdout(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.stdout_lines.append(line.rstrip("\n"))
+
+    def _read_stderr(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self._log.write(line)
+            self._log.flush()
+            try:
+                event = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(event, dict):
+                self.events.append(event)
+                self._on_event(self, event)
+
+    def maddr(self) -> str | None:
+        for line in self.stdout_lines:
+            for word in line.split():
+                if word.startswith("/ip4/127.0.0.1/"):
+                    return word
+        return None
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        """SIGTERM, then SIGKILL after the grace period; our peers shut hivemind down on SIGTERM."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        for t in self._threads:
+            t.join(timeout=5)
+        self._log.close()
+
+
+def run_demo(
+    cfg: ExperimentConfig, *, peers: int, workdir: Path, config_path: Path | None, sets: list[str]
+) -> dict[str, Any]:
+    """Run the swarm to the end and return the summary (also printed)."""
+    import torch
+
+    from p2ptrain import checkpoint
+    from p2ptrain.data import Corpus, load_corpus
+    from p2ptrain.models import build_model
+    from p2ptrain.trainer import evaluate
+
+    t0 = time.monotonic()
+    run_id = f"demo-{uuid.uuid4().hex[:8]}"  # a fresh run: never mix with an earlier demo's records
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    threads = cfg.device.num_threads or max(1, (os.cpu_count() or 1) // peers)
+    base = [sys.executable, "-m", "p2ptrain", "join", "--host-maddrs", LOOPBACK, "--log-format", "json"]
+    if config_path is not None:
+        base += ["--config", str(config_path)]
+    for item in sets:
+        base += ["--set", item]
+    base += [
+        "--set", f"run.run_id={run_id}",
+        "--set", f"outer.num_rounds={cfg.outer.num_rounds}",
+        "--set", f"device.num_threads={threads}",
+        "--set", f"swarm.min_peers={peers}",
+    ]
+
+    corpus = Corpus.from_bytes(load_corpus(cfg.data), cfg.model.context_length, cfg.data.val_fraction)
+    initial = build_model(cfg.model.name, cfg.model.context_length, seed=cfg.run.seed)
+    initial_val_loss = evaluate(initial, corpus, cfg, torch.device("cpu"))["val_loss"]
+
+    print(
+        f"p2ptrain demo: {peers} peers on 127.0.0.1, {cfg.model.name}, {cfg.outer.num_rounds} rounds of "
+        f"{cfg.inner.num_inner_steps} inner steps, {threads} thread(s) each. Logs: {workdir}/peer*.log"
+    )
+    print(f"initial validation loss: {initial_val_loss:.4f}")
+    rounds: dict[int, dict[int, dict]] = defaultdict(dict)
+    lock = threading.Lock()
+
+    def on_event(peer: Peer, event: dict) -> None:
+        if event.get("event") != "outer step":
+            return
+        with lock:
+            r = int(event["round"])
+            rounds[r][peer.index] = event
+            if len(rounds[r]) == peers:
+                rows = rounds[r].values()
+                print(
+                    f"round {r + 1:>3}/{cfg.outer.num_rounds}  "
+                    f"train loss {sum(e['train_loss'] for e in rows) / peers:.4f}  "
+                    f"val loss {max(e['val_loss'] for e in rows):.4f}  "
+                    f"groups {sorted(e['group_size'] for e in rows)}  "
+                    f"sent {sum(e['bytes_sent'] for e in rows) / peers / 1e6:.2f} MB/peer  "
+                    f"{time.monotonic() - t0:6.1f}s",
+                    flush=True,
+                )
+
+    procs: list[Peer] = []
+    try:
+        for i in range(peers):
+            peer_dir = workdir / f"peer{i}"
+            cmd = base + ["--set", f"checkpoint.dir={peer_dir}"]
+            if i > 0:
+                cmd += ["--initial-peers", first_maddr]
+            procs.append(Peer(i, cmd, workdir / f"peer{i}.log", on_event))
+            if i == 0:
+                first_maddr = _wait_for_maddr(procs[0], timeout_s=90)
+        deadline = time.monotonic() + _run_timeout_s(cfg)
+        while any(p.proc.poll() is None for p in procs):
+            if time.monotonic() > deadline:
+                raise DemoError(f"the swarm did not finish within {_run_timeout_s(cfg):.0f}s; see {workdir}/peer*.log")
+            failed = [p for p in procs if p.proc.poll() not in (None, 0)]
+            if failed:
+                p = failed[0]
+                raise DemoError(f"peer {p.index} exited with code {p.proc.returncode}; see {p.log_path}")
+            time.sleep(0.5)
+        failed = [p for p in procs if p.proc.returncode != 0]
+        if failed:
+            raise DemoError(f"peer {failed[0].index} exited with code {failed[0].proc.returncode}; see {failed[0].log_path}")
+    except KeyboardInterrupt:
+        print("\ninterrupted: stopping the peers", file=sys.stderr)
+        raise
+    finally:
+        for p in procs:
+            p.stop()
+
+    per_peer = []
+    for i in range(peers):
+        path = workdir / f"peer{i}" / "final.safetensors"
+        loaded = checkpoint.load(path)
+        model = build_model(loaded.config.model.name, loaded.config.model.context_length)
+        checkpoint.load_into(model, loaded, path)
+        metrics = evaluate(model, corpus, cfg, torch.device("cpu"))
+        sent = sum(e.get("bytes_sent", 0) for e in procs[i].events if e.get("event") == "outer step")
+        per_peer.append({"path": str(path), "sha256": loaded.params_sha256(), "bytes_sent": sent, **metrics})
+
+    final_losses = [p["val_loss"] for p in per_peer]
+    hashes = [p["sha256"] for p in per_peer]
+    samples_total = sum(
+        int(e.get("samples", 0)) for p in procs for e in p.events if e.get("event") == "outer step"
+    )
+    identical = len(set(hashes)) == 1
+    learned = max(final_losses) < initial_val_loss - 0.1
+    summary = {
+        "ok": identical and learned,
+        "peers": peers,
+        "rounds": cfg.outer.num_rounds,
+        "model": cfg.model.name,
+        "initial_val_loss": initial_val_loss,
+        "final_val_loss": max(final_losses),
+        "final_val_loss_per_peer": final_losses,
+        "final_params_sha256": hashes,
+        "params_identical": identical,
+        "samples_total": samples_total,
+        "bytes_sent_per_peer": [p["bytes_sent"] for p in per_peer],
+        "wall_s": round(time.monotonic() - t0, 1),
+    }
+    _print_summary(summary, per_peer)
+    return summary
+
+
+def _wait_for_maddr(peer: Peer, timeout_s: float) -> str:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        maddr = peer.maddr()
+        if maddr:
+            return maddr
+        if peer.proc.poll() is not None:
+            raise DemoError(f"the first peer exited with code {peer.proc.returncode}; see {peer.log_path}")
+        time.sleep(0.1)
+    raise DemoError(f"the first peer printed no address within {timeout_s:.0f}s; see {peer.log_path}")
+
+
+def _run_timeout_s(cfg: ExperimentConfig) -> float:
+    # Generous: an honest swarm on a slow laptop finishes far sooner; this only turns a hang into an error.
+    per_round = cfg.averaging.barrier_timeout_s + cfg.averaging.allreduce_timeout_s + 60
+    return 120 + cfg.outer.num_rounds * per_round + cfg.swarm.linger_s
+
+
+def _print_summary(summary: dict, per_peer: list[dict]) -> None:
+    print()
+    print(f"{'peer':<6}{'val loss':>10}{'perplexity':>12}{'accuracy':>10}{'MB sent':>10}  params sha256")
+    for i, p in enumerate(per_peer):
+        print(
+            f"{i:<6}{p['val_loss']:>10.4f}{p['perplexity']:>12.2f}{p['accuracy']:>10.3f}"
+            f"{p['bytes_sent'] / 1e6:>10.2f}  {p['sha256'][:16]}"
+        )
+    print()
+    print(
+        f"validation loss {summary['initial_val_loss']:.4f} -> {summary['final_val_loss']:.4f} "
+        f"(worst peer), {summary['samples_total']} samples, {summary['wall_s']}s"
+    )
+    print("all peers hold identical params" if summary["params_identical"] else "PEERS DISAGREE ON PARAMS")

@@ -1,0 +1,198 @@
+"""DiLoCo's outer loop, apart from the network (Douillard et al., 2023).
+
+Every peer holds the global params of the current round as a CPU float32 master copy and trains a
+device copy for H inner steps. Then:
+
+    delta_i   = master - local_i                 (the pseudo-gradient, old minus new)
+    delta     = sum_i w_i delta_i / sum_i w_i    (through an :class:`Averager`, w_i = samples)
+    master    = SGD-Nesterov(master, grad=delta) (lr 0.7, momentum 0.9 by default)
+    local     = master
+
+The network sits behind :class:`Averager`; unit tests use a fake one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+import torch.nn as nn
+
+
+class AveragingFailed(RuntimeError):
+    """An all-reduce did not produce an average. ``reason`` is a short metric-friendly label."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+
+
+@dataclass
+class AverageResult:
+    tensors: list[torch.Tensor]
+    """The weighted average of the group's tensors (CPU float32), identical on every member."""
+    group_size: int
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    peers: list[str] = field(default_factory=list)
+
+
+class Averager(Protocol):
+    def average(self, tensors: Sequence[torch.Tensor], *, weight: float, round: int) -> AverageResult:
+        """Average ``tensors`` with the peers of ``round``, weighted by ``weight``.
+
+        Raises:
+            AveragingFailed: no group, a timeout, or a groupmate that left mid-way. The caller still
+                holds its own tensors; nothing was applied.
+        """
+        ...
+
+
+@dataclass
+class OuterStepReport:
+    round: int
+    """The round that just ended (the params are now those of round + 1)."""
+    group_size: int
+    """Peers whose pseudo-gradients went into the step (1: this peer's alone)."""
+    delta_norm: float
+    """Norm of this peer's own pseudo-gradient."""
+    applied: bool
+    """False when nothing was applied (a non-finite pseudo-gradient)."""
+    failure: str | None = None
+    """Why the peer fell back to its own pseudo-gradient or skipped the step, if it did."""
+    bytes_sent: int = 0
+    bytes_received: int = 0
+
+
+class DiLoCo:
+    """The outer optimizer of one peer: master params, outer momentum, pseudo-gradients.
+
+    Thread safety: :meth:`state_tensors` may be called from hivemind's state-sharing thread while the
+    trainer runs :meth:`outer_step`; both hold ``self.lock``, so a newcomer never downloads a
+    half-updated state.
+    """
+
+    def __init__(self, model: nn.Module, *, lr: float, momentum: float, nesterov: bool):
+        self.model_params = [p for p in model.parameters() if p.requires_grad]
+        # The master copy: CPU float32, whatever the device and dtype of the inner phase.
+        self.master = [p.detach().to("cpu", torch.float32, copy=True) for p in self.model_params]
+        self.optimizer = torch.optim.SGD(
+            self.master, lr=lr, momentum=momentum, nesterov=nesterov and momentum > 0
+        )
+        self.lock = threading.Lock()
+        self.round = 0
+        """The round whose global params ``master`` holds; advanced by :meth:`outer_step`, under the lock."""
+
+    def pseudo_gradient(self) -> list[torch.Tensor]:
+        """delta = master - local, in float32 on CPU."""
+        with torch.no_grad():
+            return [m - p.detach().to("cpu", torch.float32) for m, p in zip(self.master, self.model_params)]
+
+    def outer_step(self, averaged_delta: Sequence[torch.Tensor]) -> None:
+        """Apply one outer SGD step with ``averaged_delta`` as the gradient; copy the result to the model."""
+        with self.lock:
+            for m, d in zip(self.master, averaged_delta):
+                m.grad = d.to(torch.float32)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.round += 1
+        self.reset_model()
+
+    def reset_model(self) -> None:
+        """Overwrite the device params with the master params (start of a round, or undoing one)."""
+        with torch.no_grad():
+            for p, m in zip(self.model_params, self.master):
+                p.copy_(m.to(p.device, p.dtype))
+
+    def rebase(self, delta: Sequence[torch.Tensor]) -> None:
+        """Put our inner progress on top of (new) master params: local = master - delta.
+
+        Used when a peer finds, after its inner phase, that its global params differ from the swarm's: it
+        adopts the swarm's params and keeps its pseudo-gradient, instead of throwing the round's work away.
+        """
+        with torch.no_grad():
+            for p, m, d in zip(self.model_params, self.master, delta):
+                p.copy_((m - d).to(p.device, p.dtype))
+
+    def sync(self, averager: Averager | None, *, weight: float, round: int) -> OuterStepReport:
+        """End a round: average the pseudo-gradient (if there is anyone to average with) and step.
+
+        Failure semantics: a pseudo-gradient with NaN or Inf is never sent; the peer keeps its global
+        params and skips the step. If the averager fails (no group, timeout, a peer left mid-way), the
+        peer applies its own pseudo-gradient and says so in the report; the swarm's params-hash check
+        brings it back in line with the others at the next round.
+        """
+        delta = self.pseudo_gradient()
+        norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(d) for d in delta])))
+        if not all(torch.isfinite(d).all() for d in delta):
+            self.reset_model()
+            return OuterStepReport(round, group_size=0, delta_norm=norm, applied=False, failure="non_finite")
+        if averager is None:
+            self.outer_step(delta)
+            return OuterStepReport(round, group_size=1, delta_norm=norm, applied=True, failure=None)
+        try:
+            result = averager.average(delta, weight=weight, round=round)
+        except AveragingFailed as e:
+            self.outer_step(delta)
+            return OuterStepReport(round, group_size=1, delta_norm=norm, applied=True, failure=e.reason)
+        self.outer_step(result.tensors)
+        return OuterStepReport(
+            round,
+            group_size=result.group_size,
+            delta_norm=norm,
+            applied=True,
+            bytes_sent=result.bytes_sent,
+            bytes_received=result.bytes_received,
+        )
+
+    # --- state, for newcomers and checkpoints --------------------------------------------------
+
+    def momentum_buffers(self) -> list[torch.Tensor]:
+        buffers = []
+        for m in self.master:
+            buf = self.optimizer.state.get(m, {}).get("momentum_buffer")
+            buffers.append(buf if buf is not None else torch.zeros_like(m))
+        return buffers
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """A consistent snapshot: master params, then outer momentum buffers."""
+        with self.lock:
+            return [t.clone() for t in self.master + self.momentum_buffers()]
+
+    def load_state_tensors(self, tensors: Sequence[torch.Tensor], round: int) -> None:
+        """Adopt a state from :meth:`state_tensors` (of a donor peer or a checkpoint) as round ``round``.
+
+        Raises:
+            ValueError: the tensors do not match this model (count, shapes, dtypes) or are not finite.
+        """
+        n = len(self.master)
+        if len(tensors) != 2 * n:
+            raise ValueError(f"state has {len(tensors)} tensors, expected {2 * n}")
+        for i, (t, m) in enumerate(zip(tensors, self.master + self.master)):
+            if t.shape != m.shape or t.dtype != m.dtype:
+                raise ValueError(f"state tensor {i}: {tuple(t.shape)} {t.dtype}, expected {tuple(m.shape)} {m.dtype}")
+            if not torch.isfinite(t).all():
+                raise ValueError(f"state tensor {i} has non-finite values")
+        with self.lock:
+            for m, t in zip(self.master, tensors[:n]):
+                m.copy_(t)
+            for m, t in zip(self.master, tensors[n:]):
+                self.optimizer.state[m]["momentum_buffer"] = t.clone()
+            self.round = round
+        self.reset_model()
+
+    def params_hash(self) -> str:
+        with self.lock:
+            return tensors_hash(self.master)
+
+
+def tensors_hash(tensors: Sequence[torch.Tensor]) -> str:
+    """A short, exact fingerprint of tensors' bytes (equal hashes: bit-identical params)."""
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().contiguous().cpu().numpy().tobytes())
+    return h.hexdigest()[:16]

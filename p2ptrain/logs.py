@@ -1,0 +1,75 @@
+"""Logging: structlog on top of the standard library, hivemind's records through the same handler.
+
+JSON lines when stderr is not a terminal (a service, a pipe, the demo's peers), readable console
+lines on a terminal. Call :func:`configure` once, before the DHT forks.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any
+
+import structlog
+
+_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
+
+
+def get_logger(name: str) -> Any:
+    return structlog.get_logger(name)
+
+
+def configure(level: str = "info", fmt: str = "auto", **bound: Any) -> None:
+    """Route structlog and stdlib logging (hivemind's included) to stderr.
+
+    Args:
+        level: debug | info | warning | error (for p2ptrain; hivemind stays at warning unless debug).
+        fmt: auto | json | console.
+        bound: context bound to every line (run_id, peer_id, ...).
+    """
+    if fmt == "auto":
+        fmt = "console" if sys.stderr.isatty() else "json"
+    shared = [
+        structlog.contextvars.merge_contextvars,
+        structlog.stdlib.add_log_level,
+        structlog.stdlib.add_logger_name,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+    ]
+    renderer = (
+        structlog.processors.JSONRenderer()
+        if fmt == "json"
+        else structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
+    )
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(
+        structlog.stdlib.ProcessorFormatter(
+            foreign_pre_chain=shared,
+            processors=[
+                structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+                structlog.processors.format_exc_info,
+                renderer,
+            ],
+        )
+    )
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(_LEVELS[level])
+
+    # hivemind installs its own handler on its loggers; hand its records to ours instead.
+    from hivemind.utils.logging import use_hivemind_log_handler
+
+    use_hivemind_log_handler("nowhere")
+    logging.getLogger("hivemind").setLevel(logging.DEBUG if level == "debug" else logging.WARNING)
+
+    structlog.configure(
+        processors=[*shared, structlog.stdlib.ProcessorFormatter.wrap_for_formatter],
+        logger_factory=structlog.stdlib.LoggerFactory(),
+        wrapper_class=structlog.stdlib.BoundLogger,
+        cache_logger_on_first_use=True,
+    )
+    structlog.contextvars.clear_contextvars()
+    structlog.contextvars.bind_contextvars(**bound)
+
+
+def bind(**values: Any) -> None:
+    structlog.contextvars.bind_contextvars(**values)

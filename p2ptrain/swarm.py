@@ -1,0 +1,334 @@
+"""The swarm as a peer sees it: a hivemind DHT, signed progress records, and the round they agree on.
+
+There is no coordinator. Each peer stores a small signed record under ``{run_id}_progress`` (one
+subkey per peer, signed with the peer's RSA key so nobody can overwrite another's record) and
+refreshes it every ``swarm.heartbeat_s`` from a background thread. A record older than
+``swarm.record_ttl_s`` expires: that peer is gone. Everything a peer decides about the swarm
+(the global round, who to wait for, whose state is canonical) is a pure function of the live
+records, in :func:`global_round` and :func:`canonical_hash`.
+
+Process model: the DHT runs in a forked child, which owns the ``p2pd`` daemon. hivemind leaves
+both running forever if the main process is SIGKILLed; :class:`WatchedDHT` makes the child shut
+itself down (and ``p2pd`` with it) within seconds when its parent disappears.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import hivemind
+from hivemind.dht.schema import BytesWithPublicKey, RSASignatureValidator, SchemaValidator
+from hivemind.utils.crypto import RSAPrivateKey
+from hivemind.utils.timed_storage import get_dht_time
+from hivemind.utils.multiaddr import Multiaddr
+# hivemind's SchemaValidator speaks pydantic v1; the DHT record models use its compatibility module.
+from pydantic.v1 import BaseModel, StrictFloat, StrictInt, StrictStr
+
+from p2ptrain.logs import get_logger
+
+log = get_logger(__name__)
+
+PeerState = Literal["loading", "training", "averaging", "done"]
+
+
+class SwarmError(RuntimeError):
+    """The swarm cannot be joined or used (unreachable peers, daemon failure). The message is for users."""
+
+
+def parse_multiaddr(value: str) -> Multiaddr:
+    """Parse a multiaddr, raising ``ValueError`` with a one-line reason on bad input."""
+    if not isinstance(value, str) or not value.startswith("/"):
+        raise ValueError(f"not a multiaddr (expected e.g. /ip4/1.2.3.4/tcp/31337/p2p/12D3Koo...): {value!r}")
+    try:
+        return Multiaddr(value)
+    except Exception as e:  # the vendored parser raises a zoo of types (ValueError, KeyError, binascii.Error)
+        raise ValueError(f"not a valid multiaddr: {value!r} ({e})") from None
+
+
+class ProgressRecord(BaseModel):
+    """What a peer tells the swarm about itself. Stored signed; read by every peer and by monitors."""
+
+    peer_id: StrictStr
+    """libp2p peer id (base58), used to download state from this peer."""
+    round: StrictInt
+    """The outer round this peer is in (its params are the global params of this round)."""
+    state: StrictStr
+    """loading | training | averaging | done."""
+    params_hash: StrictStr
+    """Short hash of this peer's global params of ``round``: peers of one round must agree on it."""
+    samples_round: StrictInt
+    """Samples processed in this round's inner phase so far."""
+    samples_total: StrictInt
+    """Samples processed since this peer started."""
+    samples_per_s: StrictFloat
+    """Recent inner-phase throughput."""
+    last_group_size: StrictInt
+    """Size of the all-reduce group of this peer's last outer step (1: it averaged alone)."""
+    device: StrictStr
+    """cpu, cuda or mps."""
+    time: StrictFloat
+    """Wall-clock time of the record (seconds since the epoch)."""
+
+
+class _ProgressSchema(BaseModel):
+    progress: dict[BytesWithPublicKey, ProgressRecord]
+
+
+class _ParentWatchdog:
+    """Mixin for hivemind's forked children: shut down cleanly when the parent process dies.
+
+    ``_on_orphaned`` runs in a thread of the child; if the clean shutdown has not ended the process
+    within ``grace_s``, the child exits hard.
+    """
+
+    _watched_parent_pid: int
+
+    def _start_parent_watchdog(self, on_orphaned: Callable[[], None], grace_s: float = 10.0) -> None:
+        parent = self._watched_parent_pid
+
+        def watch() -> None:
+            while os.getppid() == parent:
+                time.sleep(0.5)
+            try:
+                on_orphaned()
+            finally:
+                time.sleep(grace_s)
+                os._exit(1)
+
+        threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
+
+
+class WatchedDHT(_ParentWatchdog, hivemind.DHT):
+    """A hivemind DHT whose child process (and its p2pd) does not outlive the main process."""
+
+    def __init__(self, *args, **kwargs):
+        self._watched_parent_pid = os.getpid()
+        super().__init__(*args, **kwargs)
+
+    def run(self) -> None:
+        # Sending the shutdown request through the same pipe the parent would use runs hivemind's own
+        # clean shutdown, which terminates p2pd.
+        self._start_parent_watchdog(lambda: self._outer_pipe.send(("_shutdown", [], {})))
+        super().run()
+
+
+def create_dht(
+    *,
+    initial_peers: Sequence[str],
+    host_maddrs: Sequence[str],
+    announce_maddrs: Sequence[str] = (),
+    identity_path: str | None = None,
+    client_mode: bool = False,
+    use_relay: bool = True,
+    use_auto_relay: bool = False,
+    bootstrap_timeout_s: float = 30.0,
+    record_validators: Sequence = (),
+) -> WatchedDHT:
+    """Start a DHT (and its p2pd) and join the swarm, or raise :class:`SwarmError` within the timeout."""
+    kwargs = dict(
+        initial_peers=list(initial_peers),
+        host_maddrs=list(host_maddrs),
+        announce_maddrs=list(announce_maddrs) or None,
+        client_mode=client_mode,
+        use_relay=use_relay,
+        use_auto_relay=use_auto_relay,
+        record_validators=list(record_validators),
+        # p2pd exits by itself once its client (the DHT child) has been gone this long.
+        idle_timeout=30,
+        start=False,
+    )
+    if identity_path is not None:
+        kwargs["identity_path"] = identity_path
+    dht = WatchedDHT(**kwargs)
+    dht.start()
+    try:
+        dht.wait_until_ready(timeout=bootstrap_timeout_s)
+    except TimeoutError:
+        _stop_dht(dht)
+        raise SwarmError(
+            f"no initial peer answered within {bootstrap_timeout_s:.0f}s: {', '.join(initial_peers)}"
+        ) from None
+    except Exception as e:
+        _stop_dht(dht)
+        reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        if initial_peers:
+            raise SwarmError(f"could not join the swarm through {', '.join(initial_peers)}: {reason}") from None
+        raise SwarmError(f"could not start the DHT: {reason}") from None
+    return dht
+
+
+def _stop_dht(dht: hivemind.DHT) -> None:
+    if dht.is_alive():
+        dht.shutdown()
+    if dht.is_alive():
+        dht.terminate()
+
+
+@dataclass
+class LocalStatus:
+    """The mutable part of this peer's record; the trainer updates it, the heartbeat publishes it."""
+
+    round: int = 0
+    state: PeerState = "loading"
+    params_hash: str = ""
+    samples_round: int = 0
+    samples_total: int = 0
+    samples_per_s: float = 0.0
+    last_group_size: int = 0
+
+
+class Swarm:
+    """This peer's view of the swarm: its DHT, its published record and the others' records.
+
+    The DHT's client pipe is not safe for concurrent use from several threads of one process, so every
+    DHT call here holds ``self._lock``.
+    """
+
+    def __init__(
+        self,
+        run_id: str,
+        *,
+        device: str,
+        initial_peers: Sequence[str] = (),
+        host_maddrs: Sequence[str] = ("/ip4/0.0.0.0/tcp/0",),
+        announce_maddrs: Sequence[str] = (),
+        identity_path: str | None = None,
+        client_mode: bool = False,
+        use_relay: bool = True,
+        use_auto_relay: bool = False,
+        bootstrap_timeout_s: float = 30.0,
+        heartbeat_s: float = 2.0,
+        record_ttl_s: float = 20.0,
+    ):
+        self.run_id = run_id
+        self.device = device
+        self.heartbeat_s, self.record_ttl_s = heartbeat_s, record_ttl_s
+        signer = RSASignatureValidator(RSAPrivateKey())
+        self._public_key = signer.local_public_key
+        self.dht = create_dht(
+            initial_peers=initial_peers,
+            host_maddrs=host_maddrs,
+            announce_maddrs=announce_maddrs,
+            identity_path=identity_path,
+            client_mode=client_mode,
+            use_relay=use_relay,
+            use_auto_relay=use_auto_relay,
+            bootstrap_timeout_s=bootstrap_timeout_s,
+            record_validators=[SchemaValidator(_ProgressSchema, prefix=run_id), signer],
+        )
+        self.peer_id = self.dht.peer_id.to_base58()
+        self.status = LocalStatus()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._heartbeat: threading.Thread | None = None
+
+    @property
+    def progress_key(self) -> str:
+        return f"{self.run_id}_progress"
+
+    def visible_maddrs(self) -> list[str]:
+        with self._lock:
+            return [str(a) for a in self.dht.get_visible_maddrs()]
+
+    def start_heartbeat(self) -> None:
+        self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="swarm-heartbeat", daemon=True)
+        self._heartbeat.start()
+
+    def _heartbeat_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.publish()
+            except Exception as e:  # a failed store is retried next beat; the record just ages meanwhile
+                log.warning("progress record not stored", error=repr(e))
+            self._wake.wait(self.heartbeat_s)
+            self._wake.clear()
+
+    def update(self, **changes) -> None:
+        """Change this peer's record; state changes are published at once, the rest with the next beat."""
+        state_changed = "state" in changes and changes["state"] != self.status.state
+        for key, value in changes.items():
+            setattr(self.status, key, value)
+        if state_changed or "round" in changes or "params_hash" in changes:
+            if self._heartbeat is not None:
+                self._wake.set()
+            else:
+                self.publish()
+
+    def publish(self) -> None:
+        s = self.status
+        record = ProgressRecord(
+            peer_id=self.peer_id,
+            round=s.round,
+            state=s.state,
+            params_hash=s.params_hash,
+            samples_round=s.samples_round,
+            samples_total=s.samples_total,
+            samples_per_s=float(s.samples_per_s),
+            last_group_size=s.last_group_size,
+            device=self.device,
+            time=time.time(),
+        )
+        with self._lock:
+            self.dht.store(
+                self.progress_key,
+                subkey=self._public_key,
+                value=record.dict(),
+                expiration_time=get_dht_time() + self.record_ttl_s,
+            )
+
+    def peers(self) -> dict[str, ProgressRecord]:
+        """Live peers' records by peer id, this peer's own included once it has published."""
+        with self._lock:
+            found = self.dht.get(self.progress_key, latest=True)
+        return records_from_dht_value(found)
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._heartbeat is not None:
+            self._heartbeat.join(timeout=5)
+        with self._lock:
+            _stop_dht(self.dht)
+
+
+def records_from_dht_value(found) -> dict[str, ProgressRecord]:
+    """Parse the value of ``{run_id}_progress`` (a dict of subkey -> value) into records by peer id."""
+    records: dict[str, ProgressRecord] = {}
+    if found is None or not isinstance(found.value, dict):
+        return records
+    for item in found.value.values():
+        try:
+            record = ProgressRecord.parse_obj(item.value)
+        except Exception:  # the schema validator already rejects bad records; skip any leftovers
+            continue
+        previous = records.get(record.peer_id)
+        if previous is None or record.time > previous.time:
+            records[record.peer_id] = record
+    return records
+
+
+def global_round(records: dict[str, ProgressRecord]) -> int:
+    """The swarm's round: the highest round any live peer holds params of (loading peers excluded)."""
+    rounds = [r.round for r in records.values() if r.state != "loading" and r.params_hash]
+    return max(rounds, default=-1)
+
+
+def canonical_hash(records: Sequence[ProgressRecord]) -> str | None:
+    """The params hash that peers of one round should converge on, or None if nobody reported one.
+
+    The most common hash wins; ties go to the hash whose holders averaged in the larger group last
+    round, then to the smaller hash string, so that every peer that sees the same records picks the
+    same winner.
+    """
+    counts = Counter(r.params_hash for r in records if r.params_hash)
+    if not counts:
+        return None
+    best_group = {h: max(r.last_group_size for r in records if r.params_hash == h) for h in counts}
+    return min(counts, key=lambda h: (-counts[h], -best_group[h], h))

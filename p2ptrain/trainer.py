@@ -1,0 +1,488 @@
+"""One peer's training loop: inner steps, then an outer sync with the swarm, round after round.
+
+Read :meth:`Trainer.run` top to bottom; every phase is a method below it, in the order it runs.
+
+Round agreement, in short (details in docs/architecture.md): every peer publishes a signed
+progress record (round, state, params hash). A peer behind the swarm's highest round downloads
+the state of a peer that has it. After its inner phase a peer waits until every live peer of its
+round has finished its own (or ``averaging.barrier_timeout_s`` passes), checks that they all
+hold the same params (if not, it rebases its inner progress onto the canonical params first), and
+averages with them in one round-keyed all-reduce.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from p2ptrain import checkpoint
+from p2ptrain.averaging import SwarmAverager
+from p2ptrain.config import ExperimentConfig
+from p2ptrain.data import Corpus, load_corpus
+from p2ptrain.diloco import DiLoCo, OuterStepReport, tensors_hash
+from p2ptrain.logs import bind, get_logger
+from p2ptrain.models import build_model, num_params
+from p2ptrain.swarm import ProgressRecord, Swarm, canonical_hash
+
+log = get_logger(__name__)
+
+_POLL_S = 0.25
+
+
+def pick_device(kind: str) -> torch.device:
+    """auto: Apple's MPS, then CUDA, then CPU."""
+    if kind == "auto":
+        if torch.backends.mps.is_available():
+            return torch.device("mps")
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        return torch.device("cpu")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device.kind is 'cuda' but torch sees no CUDA device")
+    if kind == "mps" and not torch.backends.mps.is_available():
+        raise ValueError("device.kind is 'mps' but MPS is not available (Apple Silicon and macOS 12.3+ only)")
+    return torch.device(kind)
+
+
+@dataclass
+class RoundStats:
+    loss_sum: float = 0.0
+    steps: int = 0
+    samples: int = 0
+    started: float = field(default_factory=time.monotonic)
+
+    @property
+    def loss(self) -> float:
+        return self.loss_sum / max(self.steps, 1)
+
+
+class Trainer:
+    def __init__(
+        self,
+        cfg: ExperimentConfig,
+        *,
+        stop: threading.Event | None = None,
+        on_started: Callable[[list[str]], None] | None = None,
+    ):
+        """
+        Args:
+            cfg: the resolved experiment config.
+            stop: set it (from a signal handler, a test) to stop cleanly at the next safe point.
+            on_started: called with this peer's multiaddrs once it is in the swarm.
+        """
+        self.cfg = cfg
+        self.stop = stop or threading.Event()
+        self.on_started = on_started
+        self.swarm: Swarm | None = None
+        self.averager: SwarmAverager | None = None
+        self.maddrs: list[str] = []
+        self.final_path: Path | None = None
+        self.val_losses: list[tuple[int, float]] = []
+
+    @property
+    def round(self) -> int:
+        return self.diloco.round
+
+    # ---------------------------------------------------------------------------------- the loop
+
+    def run(self) -> Path | None:
+        """Train until ``outer.num_rounds`` or a stop request; return the final model's path (None if stopped)."""
+        try:
+            self.setup()
+            if self.on_started is not None:
+                self.on_started(self.maddrs)
+            self.join_swarm()
+            while self.round < self.cfg.outer.num_rounds and not self.stop.is_set():
+                self.catch_up()
+                stats = self.inner_phase()
+                if self.stop.is_set():
+                    break
+                peers = self.wait_for_peers()
+                if peers is None:  # the swarm moved on while we trained: our pseudo-gradient is stale
+                    continue
+                report = self.outer_sync(peers, stats)
+                self.log_round(report, stats)
+                self.maybe_checkpoint()
+            if self.round >= self.cfg.outer.num_rounds:
+                self.finish()
+            else:
+                self.save(self.checkpoint_dir / "interrupted.safetensors")
+        finally:
+            self.shutdown()
+        return self.final_path
+
+    # ------------------------------------------------------------------------------ the phases
+
+    def setup(self) -> None:
+        cfg = self.cfg
+        # The DHT forks: create it before touching CUDA (and after logging is configured).
+        self.device = pick_device(cfg.device.kind)
+        self.swarm = Swarm(
+            cfg.run.run_id,
+            device=self.device.type,
+            initial_peers=cfg.swarm.initial_peers,
+            host_maddrs=cfg.swarm.host_maddrs,
+            announce_maddrs=cfg.swarm.announce_maddrs,
+            identity_path=str(cfg.swarm.identity_path) if cfg.swarm.identity_path else None,
+            client_mode=cfg.swarm.client_mode,
+            use_relay=cfg.swarm.use_relay,
+            use_auto_relay=cfg.swarm.use_auto_relay,
+            bootstrap_timeout_s=cfg.swarm.bootstrap_timeout_s,
+            heartbeat_s=cfg.swarm.heartbeat_s,
+            record_ttl_s=cfg.swarm.record_ttl_s,
+        )
+        self.peer_id = self.swarm.peer_id
+        bind(peer_id=self.peer_id[-8:])
+        self.maddrs = self.swarm.visible_maddrs()
+
+        if cfg.device.num_threads:
+            torch.set_num_threads(cfg.device.num_threads)
+        self.corpus = Corpus.from_bytes(load_corpus(cfg.data), cfg.model.context_length, cfg.data.val_fraction)
+        self.model = build_model(cfg.model.name, cfg.model.context_length, cfg.model.dropout, seed=cfg.run.seed)
+        self.model.to(self.device)
+        self.diloco = DiLoCo(
+            self.model, lr=cfg.outer.lr, momentum=cfg.outer.momentum, nesterov=cfg.outer.nesterov
+        )
+        self.inner_opt = torch.optim.AdamW(
+            self.diloco.model_params,
+            lr=cfg.inner.lr,
+            betas=cfg.inner.betas,
+            weight_decay=cfg.inner.weight_decay,
+        )
+        self.inner_steps_total = 0
+        self.samples_total = 0
+        self.averager = SwarmAverager(
+            self.swarm.dht,
+            run_id=cfg.run.run_id,
+            shapes=[m.shape for m in self.diloco.master],
+            cfg=cfg.averaging,
+            client_mode=cfg.swarm.client_mode,
+            state_provider=self._state_for_donation,
+            stop=self.stop,
+        )
+        self.swarm.update(round=0, state="loading", params_hash=self.diloco.params_hash())
+        log.info(
+            "peer started",
+            run_id=cfg.run.run_id,
+            device=str(self.device),
+            model=cfg.model.name,
+            params=num_params(self.model),
+            maddrs=self.maddrs,
+            config_hash=cfg.training_hash(),
+        )
+
+    def join_swarm(self) -> None:
+        """Publish ourselves; if peers of this run exist, start from their state, not from scratch."""
+        assert self.swarm is not None
+        self.swarm.start_heartbeat()
+        cfg = self.cfg.swarm
+        if cfg.initial_peers:
+            # Records take a moment to reach a new DHT node; give the swarm two heartbeats to show up.
+            deadline = time.monotonic() + 2 * cfg.heartbeat_s + 1
+            while time.monotonic() < deadline and not self._others() and not self.stop.is_set():
+                time.sleep(_POLL_S)
+        if cfg.min_peers > 1:
+            deadline = time.monotonic() + cfg.min_peers_timeout_s
+            log.info("waiting for peers", min_peers=cfg.min_peers)
+            while len(self._others()) + 1 < cfg.min_peers and not self.stop.is_set():
+                if time.monotonic() > deadline:
+                    log.warning("starting without swarm.min_peers", min_peers=cfg.min_peers, present=len(self._others()) + 1)
+                    break
+                time.sleep(_POLL_S)
+        self.catch_up()
+        self.swarm.update(state="training")
+
+    def catch_up(self) -> None:
+        """If live peers hold a later round than ours, download their state and continue from it."""
+        others = self._others()
+        ahead = [r for r in others.values() if r.round > self.round and r.state != "loading" and r.params_hash]
+        if not ahead:
+            return
+        target = max(r.round for r in ahead)
+        holders = [r for r in ahead if r.round == target]
+        canon = canonical_hash(holders)
+        donors = [r.peer_id for r in sorted(holders, key=lambda r: -r.samples_total) if r.params_hash == canon]
+        log.info("behind the swarm, loading state", round=self.round, swarm_round=target, donors=len(donors))
+        self.swarm.update(state="loading")
+        if not self.load_state_from(donors, rebase=False):
+            log.warning("could not load the swarm's state; training on from our own", round=self.round)
+        self.swarm.update(state="training")
+
+    def inner_phase(self) -> RoundStats:
+        """H local AdamW steps on this peer's shard of the round."""
+        cfg, swarm = self.cfg, self.swarm
+        assert swarm is not None
+        rank, world = self._rank_in_round()
+        starts = self.corpus.shard(seed=cfg.run.seed, round=self.round, rank=rank, world=world)
+        batches = self.corpus.batches(starts, cfg.inner.batch_size)
+        stats = RoundStats()
+        swarm.update(state="training", samples_round=0)
+        self.model.train()
+        last_beat = time.monotonic()
+        loss_sum = torch.zeros((), device=self.device)  # summed on device: no host sync per step
+        for _ in range(cfg.inner.num_inner_steps):
+            if self.stop.is_set():
+                break
+            loss = self._inner_step(batches)
+            loss_sum += loss.detach()
+            stats.steps += 1
+            stats.samples += cfg.inner.batch_size
+            if time.monotonic() - last_beat > cfg.swarm.heartbeat_s:
+                last_beat = time.monotonic()
+                elapsed = last_beat - stats.started
+                swarm.update(samples_round=stats.samples, samples_per_s=stats.samples / max(elapsed, 1e-9))
+        stats.loss_sum = float(loss_sum)
+        self.samples_total += stats.samples
+        elapsed = time.monotonic() - stats.started
+        swarm.update(
+            samples_round=stats.samples,
+            samples_total=self.samples_total,
+            samples_per_s=stats.samples / max(elapsed, 1e-9),
+        )
+        return stats
+
+    def _inner_step(self, batches: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        cfg = self.cfg
+        x, y = next(batches)
+        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        for group in self.inner_opt.param_groups:
+            group["lr"] = self._inner_lr()
+        dtype = getattr(torch, cfg.device.dtype)
+        with torch.autocast(self.device.type, dtype=dtype, enabled=dtype != torch.float32):
+            logits = self.model(x)  # (B, T, 256)
+            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.reshape(-1))
+        loss.backward()
+        if cfg.inner.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.diloco.model_params, cfg.inner.grad_clip)
+        self.inner_opt.step()
+        self.inner_opt.zero_grad(set_to_none=True)
+        self.inner_steps_total += 1
+        return loss
+
+    def wait_for_peers(self) -> list[ProgressRecord] | None:
+        """The barrier: wait for this round's other peers to finish their inner phase.
+
+        Returns the records of the peers to average with (possibly none), or None if the swarm moved to
+        a later round meanwhile (we then load its state and our pseudo-gradient is dropped as stale).
+        """
+        assert self.swarm is not None
+        self.swarm.update(state="averaging")
+        deadline = time.monotonic() + self.cfg.averaging.barrier_timeout_s
+        while True:
+            others = self._others()
+            if any(r.round > self.round and r.state != "loading" for r in others.values()):
+                self.catch_up()
+                return None
+            same = [r for r in others.values() if r.round == self.round and r.state in ("training", "averaging")]
+            ready = [r for r in same if r.state == "averaging"]
+            if len(ready) == len(same):
+                break
+            if time.monotonic() > deadline:
+                log.warning(
+                    "barrier timeout: averaging without slow peers",
+                    round=self.round,
+                    ready=len(ready),
+                    waiting_for=[r.peer_id[-8:] for r in same if r.state != "averaging"],
+                )
+                break
+            if self.stop.wait(_POLL_S):
+                return []
+        mine = self.diloco.params_hash()
+        canon = canonical_hash([*ready, self._own_record(mine)])
+        if canon != mine:
+            donors = [r.peer_id for r in ready if r.params_hash == canon]
+            log.warning("params differ from the swarm's; rebasing onto them", round=self.round, ours=mine, swarm=canon)
+            self.load_state_from(donors, rebase=True, expect_round=self.round)
+        return ready
+
+    def outer_sync(self, peers: list[ProgressRecord], stats: RoundStats) -> OuterStepReport:
+        """Average pseudo-gradients with ``peers`` (weighted by samples) and take the outer step."""
+        assert self.swarm is not None
+        t0 = time.monotonic()
+        alone = len(peers) + 1 < max(self.cfg.averaging.min_group_size, 2)
+        report = self.diloco.sync(None if alone else self.averager, weight=max(stats.samples, 1), round=self.round)
+        report_duration = time.monotonic() - t0
+        self.swarm.update(
+            round=self.round, state="training", params_hash=self.diloco.params_hash(),
+            last_group_size=report.group_size, samples_round=0,
+        )
+        assert self.averager is not None
+        self.averager.set_round(self.round)
+        self._last_sync_s = report_duration
+        return report
+
+    def log_round(self, report: OuterStepReport, stats: RoundStats) -> None:
+        val_loss = self.evaluate()
+        self.val_losses.append((self.round, val_loss))
+        log.info(
+            "outer step",
+            round=report.round,
+            train_loss=round(stats.loss, 4),
+            val_loss=round(val_loss, 4),
+            samples=stats.samples,
+            group_size=report.group_size,
+            fallback=report.failure,
+            bytes_sent=report.bytes_sent,
+            bytes_received=report.bytes_received,
+            delta_norm=round(report.delta_norm, 4),
+            inner_s=round(time.monotonic() - stats.started - self._last_sync_s, 2),
+            sync_s=round(self._last_sync_s, 2),
+        )
+
+    def maybe_checkpoint(self) -> None:
+        every = self.cfg.checkpoint.every_rounds
+        if every and self.round % every == 0:
+            self.save(self.checkpoint_dir / f"round-{self.round:06d}.safetensors")
+
+    def finish(self) -> None:
+        """Write the final model, then linger so that slower peers can finish and compare with us."""
+        assert self.swarm is not None
+        self.final_path = self.checkpoint_dir / "final.safetensors"
+        self.save(self.final_path)
+        self.swarm.update(state="done", params_hash=self.diloco.params_hash())
+        deadline = time.monotonic() + self.cfg.swarm.linger_s
+        while time.monotonic() < deadline and not self.stop.is_set():
+            others = self._others()
+            done = [r for r in others.values() if r.state == "done" and r.round == self.round]
+            canon = canonical_hash([*done, self._own_record(self.diloco.params_hash())])
+            if canon != self.diloco.params_hash():
+                donors = [r.peer_id for r in done if r.params_hash == canon]
+                log.warning("final params differ from the swarm's; adopting them", ours=self.diloco.params_hash())
+                if self.load_state_from(donors, rebase=False, expect_round=self.round):
+                    self.save(self.final_path)
+                    self.swarm.update(params_hash=self.diloco.params_hash())
+            if all(r.state == "done" for r in others.values()):
+                break
+            self.stop.wait(_POLL_S * 4)
+        log.info("finished", round=self.round, path=str(self.final_path), params_hash=self.diloco.params_hash())
+
+    def shutdown(self) -> None:
+        """Stop the averager, the heartbeat, the DHT child and p2pd. Safe to call twice."""
+        if self.averager is not None:
+            self.averager.shutdown()
+            self.averager = None
+        if self.swarm is not None:
+            self.swarm.shutdown()
+            self.swarm = None
+
+    # --------------------------------------------------------------------------------- helpers
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return Path(self.cfg.checkpoint.dir)
+
+    def _others(self) -> dict[str, ProgressRecord]:
+        assert self.swarm is not None
+        return {pid: r for pid, r in self.swarm.peers().items() if pid != self.peer_id}
+
+    def _own_record(self, params_hash: str) -> ProgressRecord:
+        return ProgressRecord(
+            peer_id=self.peer_id, round=self.round, state="averaging", params_hash=params_hash,
+            samples_round=0, samples_total=self.samples_total, samples_per_s=0.0,
+            last_group_size=self.swarm.status.last_group_size if self.swarm else 0,
+            device=self.device.type, time=time.time(),
+        )
+
+    def _rank_in_round(self) -> tuple[int, int]:
+        """Our place in this round's roster (sorted peer ids of the live peers of our round)."""
+        roster = {pid for pid, r in self._others().items() if r.round == self.round and r.state != "loading"}
+        roster.add(self.peer_id)
+        ordered = sorted(roster)
+        return ordered.index(self.peer_id), len(ordered)
+
+    def _inner_lr(self) -> float:
+        warmup = self.cfg.inner.warmup_steps
+        if warmup and self.inner_steps_total < warmup:
+            return self.cfg.inner.lr * (self.inner_steps_total + 1) / warmup
+        return self.cfg.inner.lr
+
+    def _state_for_donation(self) -> tuple[dict, list[torch.Tensor]]:
+        """What a newcomer downloads from us: global params, outer momentum, round (a consistent snapshot)."""
+        with self.diloco.lock:
+            tensors = [t.clone() for t in self.diloco.master + self.diloco.momentum_buffers()]
+            round_ = self.diloco.round
+        n = len(self.diloco.master)
+        metadata = dict(
+            run_id=self.cfg.run.run_id,
+            config_hash=self.cfg.training_hash(),
+            round=round_,
+            params_hash=tensors_hash(tensors[:n]),
+            state_hash=tensors_hash(tensors),
+        )
+        return metadata, tensors
+
+    def load_state_from(self, donors: list[str], *, rebase: bool, expect_round: int | None = None) -> bool:
+        """Download and verify a donor's state, then adopt it.
+
+        Args:
+            donors: peer ids to try, in order; a donor that fails or sends a bad state is skipped.
+            rebase: keep our inner progress (our pseudo-gradient) on top of the new params; otherwise the
+                model restarts from the downloaded params.
+            expect_round: refuse states of other rounds.
+        """
+        assert self.averager is not None
+        remaining = list(donors)
+        while remaining:
+            got = self.averager.download_state(remaining, timeout=self.cfg.swarm.state_download_timeout_s)
+            if got is None:
+                return False
+            donor, meta, tensors = got
+            remaining = remaining[remaining.index(donor) + 1 :]
+            problem = self._check_state(meta, tensors, expect_round)
+            if problem:
+                log.warning("refused a state", donor=donor[-8:], reason=problem)
+                continue
+            delta = self.diloco.pseudo_gradient() if rebase else None
+            self.diloco.load_state_tensors(tensors, round=meta["round"])
+            if delta is not None:
+                self.diloco.rebase(delta)
+            self.swarm.update(round=self.round, params_hash=self.diloco.params_hash())
+            self.averager.set_round(self.round)
+            log.info("loaded state", donor=donor[-8:], round=self.round, params_hash=meta["params_hash"])
+            return True
+        return False
+
+    def _check_state(self, meta, tensors: list[torch.Tensor], expect_round: int | None) -> str | None:
+        if not isinstance(meta, dict) or not {"run_id", "config_hash", "round", "state_hash"} <= meta.keys():
+            return "malformed metadata"
+        if meta["run_id"] != self.cfg.run.run_id:
+            return f"run_id {meta['run_id']!r}"
+        if meta["config_hash"] != self.cfg.training_hash():
+            return "the donor trains a different experiment config (run, model, data, inner or outer differ)"
+        if expect_round is not None and meta["round"] != expect_round:
+            return f"round {meta['round']}, expected {expect_round}"
+        if tensors_hash(tensors) != meta["state_hash"]:
+            return "checksum mismatch"
+        return None
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Validation loss of the current global params (the model holds them right after a sync)."""
+        return evaluate(self.model, self.corpus, self.cfg, self.device)["val_loss"]
+
+    def save(self, path: Path) -> None:
+        checkpoint.save(path, self.model, self.diloco, self.cfg, peer_id=self.peer_id)
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, corpus: Corpus, cfg: ExperimentConfig, device: torch.device) -> dict:
+    """Validation loss, perplexity and next-byte accuracy over ``data.eval_batches`` fixed batches."""
+    was_training = model.training
+    model.eval()
+    loss_sum, correct, count = 0.0, 0, 0
+    for x, y in corpus.val_batches(cfg.inner.batch_size, cfg.data.eval_batches):
+        x, y = x.to(device), y.to(device)
+        logits = model(x).float()
+        loss_sum += float(F.cross_entropy(logits.view(-1, logits.size(-1)), y.reshape(-1), reduction="sum"))
+        correct += int((logits.argmax(-1) == y).sum())
+        count += y.numel()
+    model.train(was_training)
+    val_loss = loss_sum / count
+    return {"val_loss": val_loss, "perplexity": math.exp(val_loss), "accuracy": correct / count, "tokens": count}
