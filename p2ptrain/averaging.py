@@ -42,7 +42,13 @@ from hivemind.compression.serialization import combine_from_streaming
 from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import MPFuture
-from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, as_aiter, attach_event_on_finished, azip
+from hivemind.utils.asyncio import (
+    aiter_with_timeout,
+    amap_in_executor,
+    as_aiter,
+    attach_event_on_finished,
+    azip,
+)
 
 from p2ptrain.config import AveragingConfig
 from p2ptrain.diloco import AverageResult, AveragingFailed
@@ -56,6 +62,7 @@ _POLL_S = 0.25
 
 class _Stopped(Exception):
     pass
+
 
 COMPRESSION: dict[str, Callable[[], CompressionBase]] = {
     "none": NoCompression,
@@ -73,7 +80,9 @@ class ExactAllReduceRunner(AllReduceRunner):
 
     def __init__(self, *, tensors: Sequence[torch.Tensor], peer_fractions, **kwargs):
         container_kwargs = {
-            k: kwargs[k] for k in ("compression", "part_size_bytes", "tensor_infos", "prefetch") if k in kwargs
+            k: kwargs[k]
+            for k in ("compression", "part_size_bytes", "tensor_infos", "prefetch")
+            if k in kwargs
         }
         super().__init__(tensors=tensors, peer_fractions=peer_fractions, **kwargs)
         # Rebuild the container so that outputs are averages, not deltas (and a failed reducer's slice
@@ -232,7 +241,9 @@ class ExactAverager(_ParentWatchdog, DecentralizedAverager):
         Returns (peer id, metadata, tensors), or None if none of them did within ``timeout`` each.
         """
         future = MPFuture()
-        self._outer_pipe.send(("_download_state_from", [], dict(peers=list(peers), timeout=timeout, future=future)))
+        self._outer_pipe.send(
+            ("_download_state_from", [], dict(peers=list(peers), timeout=timeout, future=future))
+        )
         return future.result()
 
     async def _download_state_from(self, peers: list[str], timeout: float, future: MPFuture) -> None:
@@ -256,7 +267,9 @@ class ExactAverager(_ParentWatchdog, DecentralizedAverager):
     async def _download_one(self, peer: PeerID):
         stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
         stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
-        metadata, parts, tensors = None, [], []
+        metadata: Any = None
+        parts: list = []
+        tensors: list[torch.Tensor] = []
         async for message in stream:
             if message.metadata:
                 metadata = self.serializer.loads(message.metadata)
@@ -333,8 +346,13 @@ class SwarmAverager:
                 raise AveragingFailed("stopped", "stop requested") from None
             except Exception as e:  # hivemind raises its own zoo here (Allreduce, Matchmaking, P2P errors)
                 errors.append(f"attempt {attempt + 1}: {_short(e)}")
-                log.info("averaging attempt failed", round=round, attempt=attempt + 1, error=_short(e),
-                         seconds=round_s(time.monotonic() - t0))
+                log.info(
+                    "averaging attempt failed",
+                    round=round,
+                    attempt=attempt + 1,
+                    error=_short(e),
+                    seconds=round_s(time.monotonic() - t0),
+                )
                 continue
             if out is None:
                 errors.append(f"attempt {attempt + 1}: no group")
@@ -353,7 +371,11 @@ class SwarmAverager:
                 bytes_received=out["bytes_received"],
                 peers=sorted(g["peer"] for g in gathered.values() if isinstance(g, dict)),
             )
-        reason = "no_group" if all("no group" in e or "could not find a group" in e for e in errors) else "allreduce"
+        reason = (
+            "no_group"
+            if all("no group" in e or "could not find a group" in e for e in errors)
+            else "allreduce"
+        )
         raise AveragingFailed(reason, "; ".join(errors))
 
     def _step(self, weight: float, round: int):

@@ -33,7 +33,9 @@ def param_names(model: torch.nn.Module) -> list[str]:
     return [name for name, p in model.named_parameters() if p.requires_grad]
 
 
-def save(path: Path, model: torch.nn.Module, diloco: DiLoCo, cfg: ExperimentConfig, *, peer_id: str = "") -> None:
+def save(
+    path: Path, model: torch.nn.Module, diloco: DiLoCo, cfg: ExperimentConfig, *, peer_id: str = ""
+) -> None:
     names = param_names(model)
     with diloco.lock:
         params = [m.clone() for m in diloco.master]

@@ -220,7 +220,9 @@ def demo(
 
 @app.command("eval")
 def eval_(
-    checkpoint_path: Annotated[Path, typer.Argument(metavar="CHECKPOINT", help="A model file from join or demo.")],
+    checkpoint_path: Annotated[
+        Path, typer.Argument(metavar="CHECKPOINT", help="A model file from join or demo.")
+    ],
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
     """Report validation loss, perplexity and next-byte accuracy of a model file."""

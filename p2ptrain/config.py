@@ -278,15 +278,15 @@ class ExperimentConfig(BaseSettings):
 
 # The YAML of the config being loaded. A context variable, not a class attribute, so that loading
 # two configs (tests, the demo) never races.
-_YAML_DATA: contextvars.ContextVar[dict[str, Any]] = contextvars.ContextVar("_YAML_DATA", default={})
+_YAML_DATA: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar("_YAML_DATA", default=None)
 
 
 class _YamlSource(PydanticBaseSettingsSource):
     def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
-        return _YAML_DATA.get().get(field_name), field_name, False
+        return (_YAML_DATA.get() or {}).get(field_name), field_name, False
 
     def __call__(self) -> dict[str, Any]:
-        return dict(_YAML_DATA.get())
+        return dict(_YAML_DATA.get() or {})
 
 
 def read_yaml(path: Path) -> dict[str, Any]:

@@ -38,7 +38,11 @@ class Peer:
         self.events: list[dict] = []
         self._log = open(log_path, "w")
         self.proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1,
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            bufsize=1,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
         self._on_event = on_event
@@ -110,10 +114,14 @@ def run_demo(
     for item in sets:
         base += ["--set", item]
     base += [
-        "--set", f"run.run_id={run_id}",
-        "--set", f"outer.num_rounds={cfg.outer.num_rounds}",
-        "--set", f"device.num_threads={threads}",
-        "--set", f"swarm.min_peers={peers}",
+        "--set",
+        f"run.run_id={run_id}",
+        "--set",
+        f"outer.num_rounds={cfg.outer.num_rounds}",
+        "--set",
+        f"device.num_threads={threads}",
+        "--set",
+        f"swarm.min_peers={peers}",
     ]
 
     corpus = Corpus.from_bytes(load_corpus(cfg.data), cfg.model.context_length, cfg.data.val_fraction)
@@ -147,6 +155,7 @@ def run_demo(
                 )
 
     procs: list[Peer] = []
+    first_maddr = ""
     try:
         for i in range(peers):
             peer_dir = workdir / f"peer{i}"
@@ -159,7 +168,9 @@ def run_demo(
         deadline = time.monotonic() + _run_timeout_s(cfg)
         while any(p.proc.poll() is None for p in procs):
             if time.monotonic() > deadline:
-                raise DemoError(f"the swarm did not finish within {_run_timeout_s(cfg):.0f}s; see {workdir}/peer*.log")
+                raise DemoError(
+                    f"the swarm did not finish within {_run_timeout_s(cfg):.0f}s; see {workdir}/peer*.log"
+                )
             failed = [p for p in procs if p.proc.poll() not in (None, 0)]
             if failed:
                 p = failed[0]
@@ -167,7 +178,9 @@ def run_demo(
             time.sleep(0.5)
         failed = [p for p in procs if p.proc.returncode != 0]
         if failed:
-            raise DemoError(f"peer {failed[0].index} exited with code {failed[0].proc.returncode}; see {failed[0].log_path}")
+            raise DemoError(
+                f"peer {failed[0].index} exited with code {failed[0].proc.returncode}; see {failed[0].log_path}"
+            )
     except KeyboardInterrupt:
         print("\ninterrupted: stopping the peers", file=sys.stderr)
         raise

@@ -174,7 +174,9 @@ class DiLoCo:
             raise ValueError(f"state has {len(tensors)} tensors, expected {2 * n}")
         for i, (t, m) in enumerate(zip(tensors, self.master + self.master)):
             if t.shape != m.shape or t.dtype != m.dtype:
-                raise ValueError(f"state tensor {i}: {tuple(t.shape)} {t.dtype}, expected {tuple(m.shape)} {m.dtype}")
+                raise ValueError(
+                    f"state tensor {i}: {tuple(t.shape)} {t.dtype}, expected {tuple(m.shape)} {m.dtype}"
+                )
             if not torch.isfinite(t).all():
                 raise ValueError(f"state tensor {i} has non-finite values")
         with self.lock:

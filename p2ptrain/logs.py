@@ -29,7 +29,7 @@ def configure(level: str = "info", fmt: str = "auto", **bound: Any) -> None:
     """
     if fmt == "auto":
         fmt = "console" if sys.stderr.isatty() else "json"
-    shared = [
+    shared: list[Any] = [
         structlog.contextvars.merge_contextvars,
         structlog.stdlib.add_log_level,
         structlog.stdlib.add_logger_name,

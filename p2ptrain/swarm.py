@@ -20,13 +20,14 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import hivemind
 from hivemind.dht.schema import BytesWithPublicKey, RSASignatureValidator, SchemaValidator
 from hivemind.utils.crypto import RSAPrivateKey
-from hivemind.utils.timed_storage import get_dht_time
 from hivemind.utils.multiaddr import Multiaddr
+from hivemind.utils.timed_storage import get_dht_time
+
 # hivemind's SchemaValidator speaks pydantic v1; the DHT record models use its compatibility module.
 from pydantic.v1 import BaseModel, StrictFloat, StrictInt, StrictStr
 
@@ -34,7 +35,7 @@ from p2ptrain.logs import get_logger
 
 log = get_logger(__name__)
 
-PeerState = Literal["loading", "training", "averaging", "done"]
+PeerState = Literal["loading", "training", "averaging", "done", "left"]
 
 
 class SwarmError(RuntimeError):
@@ -59,7 +60,7 @@ class ProgressRecord(BaseModel):
     round: StrictInt
     """The outer round this peer is in (its params are the global params of this round)."""
     state: StrictStr
-    """loading | training | averaging | done."""
+    """loading | training | averaging | done | left (shut down: ignore it, even before its record expires)."""
     params_hash: StrictStr
     """Short hash of this peer's global params of ``round``: peers of one round must agree on it."""
     samples_round: StrictInt
@@ -131,7 +132,7 @@ def create_dht(
     record_validators: Sequence = (),
 ) -> WatchedDHT:
     """Start a DHT (and its p2pd) and join the swarm, or raise :class:`SwarmError` within the timeout."""
-    kwargs = dict(
+    kwargs: dict[str, Any] = dict(
         initial_peers=list(initial_peers),
         host_maddrs=list(host_maddrs),
         announce_maddrs=list(announce_maddrs) or None,
@@ -158,7 +159,9 @@ def create_dht(
         _stop_dht(dht)
         reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
         if initial_peers:
-            raise SwarmError(f"could not join the swarm through {', '.join(initial_peers)}: {reason}") from None
+            raise SwarmError(
+                f"could not join the swarm through {', '.join(initial_peers)}: {reason}"
+            ) from None
         raise SwarmError(f"could not start the DHT: {reason}") from None
     return dht
 
@@ -284,16 +287,23 @@ class Swarm:
             )
 
     def peers(self) -> dict[str, ProgressRecord]:
-        """Live peers' records by peer id, this peer's own included once it has published."""
+        """Live peers' records by peer id (this peer's own included once published; peers that left excluded)."""
         with self._lock:
             found = self.dht.get(self.progress_key, latest=True)
-        return records_from_dht_value(found)
+        return {pid: r for pid, r in records_from_dht_value(found).items() if r.state != "left"}
 
     def shutdown(self) -> None:
+        """Say goodbye (a 'left' record, so nobody waits for us or asks us for state), then stop the DHT."""
         self._stop.set()
         self._wake.set()
         if self._heartbeat is not None:
             self._heartbeat.join(timeout=5)
+        if self.dht.is_alive():
+            self.status.state = "left"
+            try:
+                self.publish()
+            except Exception as e:  # best effort: the record expires after record_ttl_s anyway
+                log.debug("goodbye record not stored", error=repr(e))
         with self._lock:
             _stop_dht(self.dht)
 

@@ -85,6 +85,7 @@ class Trainer:
         self.maddrs: list[str] = []
         self.final_path: Path | None = None
         self.val_losses: list[tuple[int, float]] = []
+        self._unreachable: dict[str, float] = {}  # peer id -> monotonic time until which we don't ask it
 
     @property
     def round(self) -> int:
@@ -144,8 +145,12 @@ class Trainer:
 
         if cfg.device.num_threads:
             torch.set_num_threads(cfg.device.num_threads)
-        self.corpus = Corpus.from_bytes(load_corpus(cfg.data), cfg.model.context_length, cfg.data.val_fraction)
-        self.model = build_model(cfg.model.name, cfg.model.context_length, cfg.model.dropout, seed=cfg.run.seed)
+        self.corpus = Corpus.from_bytes(
+            load_corpus(cfg.data), cfg.model.context_length, cfg.data.val_fraction
+        )
+        self.model = build_model(
+            cfg.model.name, cfg.model.context_length, cfg.model.dropout, seed=cfg.run.seed
+        )
         self.model.to(self.device)
         self.diloco = DiLoCo(
             self.model, lr=cfg.outer.lr, momentum=cfg.outer.momentum, nesterov=cfg.outer.nesterov
@@ -193,7 +198,11 @@ class Trainer:
             log.info("waiting for peers", min_peers=cfg.min_peers)
             while len(self._others()) + 1 < cfg.min_peers and not self.stop.is_set():
                 if time.monotonic() > deadline:
-                    log.warning("starting without swarm.min_peers", min_peers=cfg.min_peers, present=len(self._others()) + 1)
+                    log.warning(
+                        "starting without swarm.min_peers",
+                        min_peers=cfg.min_peers,
+                        present=len(self._others()) + 1,
+                    )
                     break
                 time.sleep(_POLL_S)
         self.catch_up()
@@ -202,16 +211,30 @@ class Trainer:
     def catch_up(self) -> None:
         """If live peers hold a later round than ours, download their state and continue from it."""
         others = self._others()
-        ahead = [r for r in others.values() if r.round > self.round and r.state != "loading" and r.params_hash]
+        now = time.monotonic()
+        ahead = [
+            r
+            for r in others.values()
+            if r.round > self.round
+            and r.state != "loading"
+            and r.params_hash
+            and self._unreachable.get(r.peer_id, 0.0) < now
+        ]
         if not ahead:
             return
         target = max(r.round for r in ahead)
         holders = [r for r in ahead if r.round == target]
         canon = canonical_hash(holders)
-        donors = [r.peer_id for r in sorted(holders, key=lambda r: -r.samples_total) if r.params_hash == canon]
+        donors = [
+            r.peer_id for r in sorted(holders, key=lambda r: -r.samples_total) if r.params_hash == canon
+        ]
         log.info("behind the swarm, loading state", round=self.round, swarm_round=target, donors=len(donors))
+        assert self.swarm is not None
         self.swarm.update(state="loading")
         if not self.load_state_from(donors, rebase=False):
+            # Don't ask them again until their records could have expired: they may be gone.
+            for donor in donors:
+                self._unreachable[donor] = time.monotonic() + self.cfg.swarm.record_ttl_s
             log.warning("could not load the swarm's state; training on from our own", round=self.round)
         self.swarm.update(state="training")
 
@@ -278,9 +301,13 @@ class Trainer:
         while True:
             others = self._others()
             if any(r.round > self.round and r.state != "loading" for r in others.values()):
+                before = self.round
                 self.catch_up()
-                return None
-            same = [r for r in others.values() if r.round == self.round and r.state in ("training", "averaging")]
+                if self.round != before:
+                    return None
+            same = [
+                r for r in others.values() if r.round == self.round and r.state in ("training", "averaging")
+            ]
             ready = [r for r in same if r.state == "averaging"]
             if len(ready) == len(same):
                 break
@@ -298,7 +325,9 @@ class Trainer:
         canon = canonical_hash([*ready, self._own_record(mine)])
         if canon != mine:
             donors = [r.peer_id for r in ready if r.params_hash == canon]
-            log.warning("params differ from the swarm's; rebasing onto them", round=self.round, ours=mine, swarm=canon)
+            log.warning(
+                "params differ from the swarm's; rebasing onto them", round=self.round, ours=mine, swarm=canon
+            )
             self.load_state_from(donors, rebase=True, expect_round=self.round)
         return ready
 
@@ -307,11 +336,16 @@ class Trainer:
         assert self.swarm is not None
         t0 = time.monotonic()
         alone = len(peers) + 1 < max(self.cfg.averaging.min_group_size, 2)
-        report = self.diloco.sync(None if alone else self.averager, weight=max(stats.samples, 1), round=self.round)
+        report = self.diloco.sync(
+            None if alone else self.averager, weight=max(stats.samples, 1), round=self.round
+        )
         report_duration = time.monotonic() - t0
         self.swarm.update(
-            round=self.round, state="training", params_hash=self.diloco.params_hash(),
-            last_group_size=report.group_size, samples_round=0,
+            round=self.round,
+            state="training",
+            params_hash=self.diloco.params_hash(),
+            last_group_size=report.group_size,
+            samples_round=0,
         )
         assert self.averager is not None
         self.averager.set_round(self.round)
@@ -354,14 +388,18 @@ class Trainer:
             canon = canonical_hash([*done, self._own_record(self.diloco.params_hash())])
             if canon != self.diloco.params_hash():
                 donors = [r.peer_id for r in done if r.params_hash == canon]
-                log.warning("final params differ from the swarm's; adopting them", ours=self.diloco.params_hash())
+                log.warning(
+                    "final params differ from the swarm's; adopting them", ours=self.diloco.params_hash()
+                )
                 if self.load_state_from(donors, rebase=False, expect_round=self.round):
                     self.save(self.final_path)
                     self.swarm.update(params_hash=self.diloco.params_hash())
             if all(r.state == "done" for r in others.values()):
                 break
             self.stop.wait(_POLL_S * 4)
-        log.info("finished", round=self.round, path=str(self.final_path), params_hash=self.diloco.params_hash())
+        log.info(
+            "finished", round=self.round, path=str(self.final_path), params_hash=self.diloco.params_hash()
+        )
 
     def shutdown(self) -> None:
         """Stop the averager, the heartbeat, the DHT child and p2pd. Safe to call twice."""
@@ -384,10 +422,16 @@ class Trainer:
 
     def _own_record(self, params_hash: str) -> ProgressRecord:
         return ProgressRecord(
-            peer_id=self.peer_id, round=self.round, state="averaging", params_hash=params_hash,
-            samples_round=0, samples_total=self.samples_total, samples_per_s=0.0,
+            peer_id=self.peer_id,
+            round=self.round,
+            state="averaging",
+            params_hash=params_hash,
+            samples_round=0,
+            samples_total=self.samples_total,
+            samples_per_s=0.0,
             last_group_size=self.swarm.status.last_group_size if self.swarm else 0,
-            device=self.device.type, time=time.time(),
+            device=self.device.type,
+            time=time.time(),
         )
 
     def _rank_in_round(self) -> tuple[int, int]:
@@ -443,6 +487,7 @@ class Trainer:
             self.diloco.load_state_tensors(tensors, round=meta["round"])
             if delta is not None:
                 self.diloco.rebase(delta)
+            assert self.swarm is not None
             self.swarm.update(round=self.round, params_hash=self.diloco.params_hash())
             self.averager.set_round(self.round)
             log.info("loaded state", donor=donor[-8:], round=self.round, params_hash=meta["params_hash"])
@@ -485,4 +530,9 @@ def evaluate(model: torch.nn.Module, corpus: Corpus, cfg: ExperimentConfig, devi
         count += y.numel()
     model.train(was_training)
     val_loss = loss_sum / count
-    return {"val_loss": val_loss, "perplexity": math.exp(val_loss), "accuracy": correct / count, "tokens": count}
+    return {
+        "val_loss": val_loss,
+        "perplexity": math.exp(val_loss),
+        "accuracy": correct / count,
+        "tokens": count,
+    }

@@ -1,0 +1,52 @@
+import pytest
+import torch
+
+from p2ptrain import checkpoint
+from p2ptrain.config import ExperimentConfig
+from p2ptrain.diloco import DiLoCo
+from p2ptrain.models import build_model
+
+
+def make(tmp_path):
+    cfg = ExperimentConfig()
+    cfg.model.name = "gpt-nano"
+    cfg.model.context_length = 16
+    model = build_model("gpt-nano", 16)
+    d = DiLoCo(model, lr=0.7, momentum=0.9, nesterov=True)
+    with torch.no_grad():
+        for p in d.model_params:
+            p.mul_(0.9)
+    d.sync(None, weight=1, round=0)
+    path = tmp_path / "m.safetensors"
+    checkpoint.save(path, model, d, cfg, peer_id="me")
+    return cfg, model, d, path
+
+
+def test_roundtrip_keeps_params_round_and_config(tmp_path):
+    cfg, model, d, path = make(tmp_path)
+    loaded = checkpoint.load(path)
+    assert loaded.round == 1 and loaded.config == cfg
+    fresh = build_model("gpt-nano", 16, seed=123)
+    checkpoint.load_into(fresh, loaded, path)
+    for a, b in zip(fresh.parameters(), model.parameters()):
+        assert torch.equal(a, b)
+    assert not list(tmp_path.glob("*.tmp")), "no temporary file is left behind"
+
+
+def test_corrupted_file_is_refused(tmp_path):
+    _, _, _, path = make(tmp_path)
+    raw = bytearray(path.read_bytes())
+    raw[-7] ^= 0xFF  # flip bits inside the last tensor's data
+    path.write_bytes(bytes(raw))
+    loaded = checkpoint.load(path)
+    with pytest.raises(checkpoint.CheckpointError, match="recorded hash"):
+        checkpoint.load_into(build_model("gpt-nano", 16), loaded, path)
+
+
+def test_truncated_or_foreign_files_are_refused(tmp_path):
+    _, _, _, path = make(tmp_path)
+    path.write_bytes(path.read_bytes()[:100])
+    with pytest.raises(checkpoint.CheckpointError, match="not a readable"):
+        checkpoint.load(path)
+    with pytest.raises(checkpoint.CheckpointError, match="no such file"):
+        checkpoint.load(tmp_path / "missing.safetensors")

@@ -1,0 +1,83 @@
+"""The command line: clear one-line errors with exit code 2 for bad input, and eval of a model file."""
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from p2ptrain import checkpoint
+from p2ptrain.config import ExperimentConfig
+from p2ptrain.data import Corpus, load_corpus
+from p2ptrain.diloco import DiLoCo
+from p2ptrain.models import build_model
+from p2ptrain.trainer import evaluate
+
+
+def run(*args, timeout=60):
+    return subprocess.run(
+        [sys.executable, "-m", "p2ptrain", *args], capture_output=True, text=True, timeout=timeout
+    )
+
+
+def one_line_error(out):
+    lines = [line for line in out.stderr.strip().splitlines() if line]
+    assert "Traceback" not in out.stderr
+    return lines
+
+
+def test_malformed_multiaddr_exits_2_with_reason():
+    out = run("join", "--initial-peers", "127.0.0.1:31337")
+    assert out.returncode == 2
+    lines = one_line_error(out)
+    assert len(lines) == 1 and "swarm.initial_peers" in lines[0] and "127.0.0.1:31337" in lines[0]
+
+
+def test_malformed_config_exits_2_naming_the_field(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("inner:\n  lr: fast\n")
+    out = run("join", "--config", str(bad))
+    assert out.returncode == 2
+    assert one_line_error(out) == [
+        f"error: {bad}: inner.lr: Input should be a valid number, unable to parse string as a number (got 'fast')"
+    ]
+
+
+def test_config_validate_and_show(tmp_path):
+    good = tmp_path / "good.yaml"
+    good.write_text("outer:\n  num_rounds: 2\n")
+    assert run("config", "validate", str(good)).returncode == 0
+    out = run("config", "show", str(good), "--set", "inner.lr=0.01")
+    assert out.returncode == 0 and "num_rounds: 2" in out.stdout and "lr: 0.01" in out.stdout
+    bad = run("config", "validate", str(tmp_path / "missing.yaml"))
+    assert bad.returncode == 2 and "cannot read config file" in bad.stderr
+
+
+def test_unknown_set_key_exits_2():
+    out = run("config", "show", "--set", "inner.speed=3")
+    assert out.returncode == 2 and "inner.speed: unknown key" in out.stderr
+
+
+def test_eval_reports_loss_perplexity_accuracy(tmp_path):
+    cfg = ExperimentConfig()
+    cfg.model.name, cfg.model.context_length, cfg.data.eval_batches = "gpt-nano", 16, 2
+    model = build_model("gpt-nano", 16)
+    path = tmp_path / "final.safetensors"
+    checkpoint.save(path, model, DiLoCo(model, lr=0.7, momentum=0.9, nesterov=True), cfg)
+    out = run("eval", str(path), "--json")
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    corpus = Corpus.from_bytes(load_corpus(cfg.data), 16, cfg.data.val_fraction)
+    expected = evaluate(model, corpus, cfg, torch.device("cpu"))
+    assert result["val_loss"] == pytest.approx(expected["val_loss"], rel=1e-5)
+    assert result["perplexity"] == pytest.approx(math.exp(expected["val_loss"]), rel=1e-5)
+    assert result["accuracy"] == pytest.approx(expected["accuracy"]) and result["round"] == 0
+
+
+def test_eval_of_a_bad_file_is_a_clear_error(tmp_path):
+    path = tmp_path / "x.safetensors"
+    path.write_text("not a model")
+    out = run("eval", str(path))
+    assert out.returncode == 1 and one_line_error(out)[0].startswith("error: ")

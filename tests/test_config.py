@@ -1,0 +1,115 @@
+import pytest
+
+from p2ptrain.config import ConfigError, ExperimentConfig, load_config, parse_set, reference_markdown
+from tests.conftest import ROOT
+
+
+def write(tmp_path, text):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_default_config_file_is_the_default_experiment():
+    cfg = load_config()
+    assert cfg.model.name == "gpt-micro" and cfg.data.source == "pydoc"
+    assert cfg.outer.lr == 0.7 and cfg.outer.momentum == 0.9 and cfg.outer.nesterov
+
+
+def test_every_shipped_config_validates():
+    for path in sorted((ROOT / "configs").glob("*.yaml")):
+        load_config(path)
+        assert path.read_text().startswith("# p2ptrain "), (
+            f"{path.name} must start with the command that runs it"
+        )
+
+
+def test_yaml_values_are_used(tmp_path):
+    cfg = load_config(write(tmp_path, "inner:\n  lr: 0.01\nouter:\n  num_rounds: 3\n"))
+    assert cfg.inner.lr == 0.01 and cfg.outer.num_rounds == 3
+    assert cfg.inner.batch_size == ExperimentConfig().inner.batch_size  # untouched keys keep defaults
+
+
+def test_unknown_key_names_its_path(tmp_path):
+    with pytest.raises(ConfigError, match=r"inner\.learning_rate: unknown key"):
+        load_config(write(tmp_path, "inner:\n  learning_rate: 0.1\n"))
+
+
+def test_unknown_section_names_its_path(tmp_path):
+    with pytest.raises(ConfigError, match=r"trainer: unknown key"):
+        load_config(write(tmp_path, "trainer:\n  lr: 0.1\n"))
+
+
+def test_wrong_type_names_field_and_value(tmp_path):
+    with pytest.raises(ConfigError, match=r"inner\.batch_size: .*'many'"):
+        load_config(write(tmp_path, "inner:\n  batch_size: many\n"))
+
+
+def test_out_of_range_value(tmp_path):
+    with pytest.raises(ConfigError, match=r"inner\.lr: .*greater than 0"):
+        load_config(write(tmp_path, "inner:\n  lr: -1\n"))
+
+
+def test_request_timeout_must_be_below_matchmaking_time(tmp_path):
+    text = "averaging:\n  request_timeout_s: 5\n  matchmaking_time_s: 3\n"
+    with pytest.raises(ConfigError, match=r"averaging: averaging\.request_timeout_s must be smaller"):
+        load_config(write(tmp_path, text))
+
+
+def test_bad_multiaddr_names_field(tmp_path):
+    with pytest.raises(ConfigError, match=r"swarm\.initial_peers: .*not a multiaddr"):
+        load_config(write(tmp_path, "swarm:\n  initial_peers: ['localhost:1234']\n"))
+
+
+def test_text_source_needs_an_existing_file(tmp_path):
+    with pytest.raises(ConfigError, match=r"data.path is required"):
+        load_config(write(tmp_path, "data:\n  source: text\n"))
+    with pytest.raises(ConfigError, match=r"no such file"):
+        load_config(write(tmp_path, f"data:\n  source: text\n  path: {tmp_path}/missing.txt\n"))
+
+
+def test_malformed_yaml_is_one_clear_error(tmp_path):
+    with pytest.raises(ConfigError, match=r"not valid YAML \(line \d+, column \d+\)"):
+        load_config(write(tmp_path, "inner:\n  lr: [0.1\n"))
+    with pytest.raises(ConfigError, match=r"top level must be a mapping"):
+        load_config(write(tmp_path, "- a\n- b\n"))
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match=r"cannot read config file"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def test_precedence_overrides_beat_env_beat_yaml(tmp_path, monkeypatch):
+    path = write(tmp_path, "inner:\n  lr: 0.01\n  batch_size: 4\n  num_inner_steps: 7\n")
+    monkeypatch.setenv("P2PTRAIN_INNER__LR", "0.02")
+    monkeypatch.setenv("P2PTRAIN_INNER__BATCH_SIZE", "5")
+    cfg = load_config(path, parse_set(["inner.lr=0.03"]))
+    assert cfg.inner.lr == 0.03  # flag > env
+    assert cfg.inner.batch_size == 5  # env > yaml
+    assert cfg.inner.num_inner_steps == 7  # yaml > default
+
+
+def test_parse_set_types_and_errors():
+    assert parse_set(["outer.nesterov=false", "swarm.host_maddrs=[/ip4/127.0.0.1/tcp/0]"]) == {
+        "outer": {"nesterov": False},
+        "swarm": {"host_maddrs": ["/ip4/127.0.0.1/tcp/0"]},
+    }
+    with pytest.raises(ConfigError, match="section.key=value"):
+        parse_set(["inner.lr"])
+    with pytest.raises(ConfigError, match="must be section.key"):
+        parse_set(["lr=1"])
+
+
+def test_training_hash_ignores_local_sections():
+    a, b = ExperimentConfig(), ExperimentConfig()
+    b.device.kind = "cpu"
+    b.swarm.heartbeat_s = 1.0
+    assert a.training_hash() == b.training_hash()
+    b.inner.lr = 0.5
+    assert a.training_hash() != b.training_hash()
+
+
+def test_docs_config_reference_is_current():
+    doc = (ROOT / "docs" / "config.md").read_text()
+    assert doc.strip() == reference_markdown().strip(), "run: p2ptrain config reference > docs/config.md"

@@ -1,0 +1,136 @@
+"""The outer step against hand-computed numbers, through a fake averager (no network)."""
+
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+
+from p2ptrain.diloco import AverageResult, AveragingFailed, DiLoCo, tensors_hash
+
+
+class FakeAverager:
+    """Averages our tensors with fixed contributions of imaginary groupmates, weighted by samples."""
+
+    def __init__(self, others: list[tuple[list[torch.Tensor], float]] | None = None, fail: str | None = None):
+        self.others = others or []
+        self.fail = fail
+        self.calls = []
+
+    def average(self, tensors, *, weight, round):
+        self.calls.append((round, weight))
+        if self.fail:
+            raise AveragingFailed(self.fail)
+        total = weight + sum(w for _, w in self.others)
+        avg = [t * weight for t in tensors]
+        for ts, w in self.others:
+            avg = [a + o * w for a, o in zip(avg, ts)]
+        return AverageResult(tensors=[a / total for a in avg], group_size=1 + len(self.others))
+
+
+def scalar_model(value: float) -> nn.Module:
+    m = nn.Module()
+    m.w = nn.Parameter(torch.tensor([value]))
+    return m
+
+
+def test_pseudo_gradient_is_old_minus_new():
+    model = scalar_model(1.0)
+    d = DiLoCo(model, lr=0.7, momentum=0.9, nesterov=True)
+    with torch.no_grad():
+        model.w.fill_(0.8)
+    assert torch.allclose(d.pseudo_gradient()[0], torch.tensor([0.2]))
+
+
+def test_two_rounds_match_hand_computed_nesterov():
+    model = scalar_model(1.0)
+    d = DiLoCo(model, lr=0.7, momentum=0.9, nesterov=True)
+
+    # Round 0: our delta 0.2 (weight 1), a groupmate's 0.4 (weight 3) -> average 0.35.
+    with torch.no_grad():
+        model.w.fill_(0.8)
+    report = d.sync(FakeAverager([([torch.tensor([0.4])], 3.0)]), weight=1.0, round=0)
+    # buf = 0.35; nesterov update = g + mu * buf = 0.35 + 0.315 = 0.665; w = 1 - 0.7 * 0.665 = 0.5345
+    assert report.group_size == 2 and report.failure is None
+    assert math.isclose(d.master[0].item(), 0.5345, rel_tol=1e-6)
+    assert math.isclose(model.w.item(), 0.5345, rel_tol=1e-6)  # the model restarts from the new globals
+    assert d.round == 1
+
+    # Round 1: our delta 0.1 (weight 1), groupmate 0.3 (weight 1) -> 0.2.
+    with torch.no_grad():
+        model.w.fill_(0.5345 - 0.1)
+    d.sync(FakeAverager([([torch.tensor([0.3])], 1.0)]), weight=1.0, round=1)
+    # buf = 0.9 * 0.35 + 0.2 = 0.515; update = 0.2 + 0.9 * 0.515 = 0.6635; w = 0.5345 - 0.7 * 0.6635 = 0.07005
+    assert math.isclose(d.master[0].item(), 0.07005, rel_tol=1e-5)
+    assert math.isclose(d.momentum_buffers()[0].item(), 0.515, rel_tol=1e-6)
+
+
+def test_failed_averaging_falls_back_to_own_delta():
+    model = scalar_model(1.0)
+    d = DiLoCo(model, lr=1.0, momentum=0.0, nesterov=False)
+    with torch.no_grad():
+        model.w.fill_(0.75)
+    report = d.sync(FakeAverager(fail="no_group"), weight=1.0, round=0)
+    assert report.failure == "no_group" and report.group_size == 1
+    assert math.isclose(
+        d.master[0].item(), 0.75
+    )  # plain SGD lr 1 on its own delta: lands on the local params
+
+
+def test_alone_applies_own_delta_without_averager():
+    model = scalar_model(2.0)
+    d = DiLoCo(model, lr=0.5, momentum=0.0, nesterov=False)
+    with torch.no_grad():
+        model.w.fill_(1.0)
+    report = d.sync(None, weight=5, round=0)
+    assert report.group_size == 1 and math.isclose(d.master[0].item(), 1.5)
+
+
+def test_non_finite_delta_is_never_sent_and_state_is_kept():
+    model = scalar_model(1.0)
+    d = DiLoCo(model, lr=0.7, momentum=0.9, nesterov=True)
+    with torch.no_grad():
+        model.w.fill_(float("nan"))
+    averager = FakeAverager()
+    report = d.sync(averager, weight=1.0, round=0)
+    assert not report.applied and report.failure == "non_finite"
+    assert averager.calls == []
+    assert d.master[0].item() == 1.0 and model.w.item() == 1.0 and d.round == 0
+
+
+def test_state_roundtrip_and_rebase():
+    torch.manual_seed(0)
+    a = DiLoCo(nn.Linear(3, 2), lr=0.7, momentum=0.9, nesterov=True)
+    with torch.no_grad():
+        for p in a.model_params:
+            p.add_(0.1)
+    a.sync(None, weight=1, round=0)
+    b = DiLoCo(nn.Linear(3, 2), lr=0.7, momentum=0.9, nesterov=True)
+    with torch.no_grad():
+        for p in b.model_params:
+            p.sub_(0.05)  # b's inner progress
+    delta = b.pseudo_gradient()
+    b.load_state_tensors(a.state_tensors(), round=a.round)
+    assert b.params_hash() == a.params_hash() and b.round == 1
+    b.rebase(delta)
+    assert all(torch.allclose(x, y) for x, y in zip(b.pseudo_gradient(), delta))
+
+
+def test_load_state_rejects_mismatched_or_non_finite():
+    d = DiLoCo(nn.Linear(3, 2), lr=0.7, momentum=0.9, nesterov=True)
+    good = d.state_tensors()
+    with pytest.raises(ValueError, match="expected 4"):
+        d.load_state_tensors(good[:2], round=1)
+    bad = [t.clone() for t in good]
+    bad[0][0, 0] = float("inf")
+    with pytest.raises(ValueError, match="non-finite"):
+        d.load_state_tensors(bad, round=1)
+    with pytest.raises(ValueError, match="expected"):
+        d.load_state_tensors([torch.zeros(5)] + good[1:], round=1)
+
+
+def test_tensors_hash_is_exact():
+    t = torch.ones(4)
+    u = t.clone()
+    u[2] = torch.nextafter(u[2], torch.tensor(2.0))
+    assert tensors_hash([t]) == tensors_hash([t.clone()]) != tensors_hash([u])
