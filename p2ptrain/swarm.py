@@ -14,7 +14,9 @@ itself down (and ``p2pd`` with it) within seconds when its parent disappears.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import threading
 import time
 from collections import Counter
@@ -90,7 +92,24 @@ class _ParentWatchdog:
 
     _watched_parent_pid: int
 
-    def _start_parent_watchdog(self, on_orphaned: Callable[[], None], grace_s: float = 10.0) -> None:
+    def _start_parent_watchdog(
+        self, on_orphaned: Callable[[], None], grace_s: float = 10.0, own_process_group: bool = False
+    ) -> None:
+        """Call first thing in the child's ``run()``.
+
+        Args:
+            on_orphaned: starts the child's own clean shutdown; runs in a thread of the child.
+            grace_s: after this long, exit hard.
+            own_process_group: move the child (and what it spawns, like p2pd) out of the terminal's
+                foreground process group, so that Ctrl-C reaches only the main process, which then shuts
+                the children down in order. Otherwise p2pd dies first and the clean shutdown fails.
+        """
+        # The main process's signal handlers were inherited by fork; they are not the child's to run.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if own_process_group:
+            with contextlib.suppress(OSError):
+                os.setpgid(0, 0)
         parent = self._watched_parent_pid
 
         def watch() -> None:
@@ -115,7 +134,9 @@ class WatchedDHT(_ParentWatchdog, hivemind.DHT):
     def run(self) -> None:
         # Sending the shutdown request through the same pipe the parent would use runs hivemind's own
         # clean shutdown, which terminates p2pd.
-        self._start_parent_watchdog(lambda: self._outer_pipe.send(("_shutdown", [], {})))
+        self._start_parent_watchdog(
+            lambda: self._outer_pipe.send(("_shutdown", [], {})), own_process_group=True
+        )
         super().run()
 
 

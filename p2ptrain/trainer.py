@@ -33,8 +33,6 @@ from p2ptrain.swarm import ProgressRecord, Swarm, canonical_hash
 
 log = get_logger(__name__)
 
-_POLL_S = 0.25
-
 
 def pick_device(kind: str) -> torch.device:
     """auto: Apple's MPS, then CUDA, then CPU."""
@@ -192,7 +190,7 @@ class Trainer:
             # Records take a moment to reach a new DHT node; give the swarm two heartbeats to show up.
             deadline = time.monotonic() + 2 * cfg.heartbeat_s + 1
             while time.monotonic() < deadline and not self._others() and not self.stop.is_set():
-                time.sleep(_POLL_S)
+                time.sleep(self._poll_s)
         if cfg.min_peers > 1:
             deadline = time.monotonic() + cfg.min_peers_timeout_s
             log.info("waiting for peers", min_peers=cfg.min_peers)
@@ -204,7 +202,7 @@ class Trainer:
                         present=len(self._others()) + 1,
                     )
                     break
-                time.sleep(_POLL_S)
+                time.sleep(self._poll_s)
         self.catch_up()
         self.swarm.update(state="training")
 
@@ -319,7 +317,7 @@ class Trainer:
                     waiting_for=[r.peer_id[-8:] for r in same if r.state != "averaging"],
                 )
                 break
-            if self.stop.wait(_POLL_S):
+            if self.stop.wait(self._poll_s):
                 return []
         mine = self.diloco.params_hash()
         canon = canonical_hash([*ready, self._own_record(mine)])
@@ -396,7 +394,7 @@ class Trainer:
                     self.swarm.update(params_hash=self.diloco.params_hash())
             if all(r.state == "done" for r in others.values()):
                 break
-            self.stop.wait(_POLL_S * 4)
+            self.stop.wait(self.cfg.swarm.heartbeat_s)
         log.info(
             "finished", round=self.round, path=str(self.final_path), params_hash=self.diloco.params_hash()
         )
@@ -411,6 +409,12 @@ class Trainer:
             self.swarm = None
 
     # --------------------------------------------------------------------------------- helpers
+
+    @property
+    def _poll_s(self) -> float:
+        # Reading the swarm's records fetches every peer's signed record from several DHT nodes (~1 KB
+        # each): poll no faster than records can change.
+        return self.cfg.swarm.heartbeat_s / 2
 
     @property
     def checkpoint_dir(self) -> Path:

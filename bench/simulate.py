@@ -1,0 +1,88 @@
+"""DiLoCo without the network, for tuning: N simulated peers in one process, exact averaging.
+
+Uses p2ptrain's own DiLoCo class, model, data shards and inner optimizer, with a perfect in-memory
+averager. What it measures is the algorithm's quality under a config, not the swarm's speed.
+
+    python -m bench.simulate --peers 3 --set inner.num_inner_steps=10 --set outer.num_rounds=24
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from p2ptrain.config import load_config, parse_set
+from p2ptrain.data import Corpus, load_corpus
+from p2ptrain.diloco import AverageResult, DiLoCo
+from p2ptrain.models import build_model
+from p2ptrain.trainer import evaluate
+
+
+class _Group:
+    """Collects every simulated peer's pseudo-gradient, then hands out the weighted average."""
+
+    def __init__(self) -> None:
+        self.pending: list[tuple[list[torch.Tensor], float]] = []
+        self.result: list[torch.Tensor] | None = None
+
+    def average(self, tensors, *, weight, round):
+        assert self.result is not None
+        return AverageResult(tensors=[t.clone() for t in self.result], group_size=len(self.pending))
+
+
+def simulate(cfg, peers: int) -> dict:
+    corpus = Corpus.from_bytes(load_corpus(cfg.data), cfg.model.context_length, cfg.data.val_fraction)
+    models = [build_model(cfg.model.name, cfg.model.context_length, seed=cfg.run.seed) for _ in range(peers)]
+    outer = [DiLoCo(m, lr=cfg.outer.lr, momentum=cfg.outer.momentum, nesterov=cfg.outer.nesterov) for m in models]
+    inner = [
+        torch.optim.AdamW(m.parameters(), lr=cfg.inner.lr, betas=cfg.inner.betas, weight_decay=cfg.inner.weight_decay)
+        for m in models
+    ]
+    steps = 0
+    curve = []
+    for r in range(cfg.outer.num_rounds):
+        for i in range(peers):
+            batches = corpus.batches(corpus.shard(seed=cfg.run.seed, round=r, rank=i, world=peers), cfg.inner.batch_size)
+            for s in range(cfg.inner.num_inner_steps):
+                x, y = next(batches)
+                k = steps + s
+                lr = cfg.inner.lr * min(1.0, (k + 1) / cfg.inner.warmup_steps) if cfg.inner.warmup_steps else cfg.inner.lr
+                for g in inner[i].param_groups:
+                    g["lr"] = lr
+                logits = models[i](x)
+                F.cross_entropy(logits.view(-1, 256), y.reshape(-1)).backward()
+                torch.nn.utils.clip_grad_norm_(models[i].parameters(), cfg.inner.grad_clip)
+                inner[i].step()
+                inner[i].zero_grad(set_to_none=True)
+        steps += cfg.inner.num_inner_steps
+        deltas = [o.pseudo_gradient() for o in outer]
+        group = _Group()
+        group.pending = [(d, 1.0) for d in deltas]
+        group.result = [sum(ts) / peers for ts in zip(*deltas)]
+        for o in outer:
+            o.sync(group, weight=1.0, round=r)
+        curve.append(evaluate(models[0], corpus, cfg, torch.device("cpu"))["val_loss"])
+    return {"val_loss": curve[-1], "curve": curve}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--peers", type=int, default=3)
+    ap.add_argument("--config", type=Path, default=None)
+    ap.add_argument("--set", action="append", default=[], dest="sets")
+    args = ap.parse_args()
+    cfg = load_config(args.config, parse_set(args.sets))
+    t0 = time.monotonic()
+    result = simulate(cfg, args.peers)
+    result["wall_s"] = round(time.monotonic() - t0, 1)
+    result["sets"] = args.sets
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
