@@ -81,3 +81,22 @@ def test_eval_of_a_bad_file_is_a_clear_error(tmp_path):
     path.write_text("not a model")
     out = run("eval", str(path))
     assert out.returncode == 1 and one_line_error(out)[0].startswith("error: ")
+
+
+def test_unreachable_initial_peer_is_a_clear_error_not_a_hang(tmp_path):
+    nobody = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWGPqLr56TyMWzcrRrD7qKoFtiSXvqtQdMqXhirUxDGfgh"
+    out = run(
+        "join",
+        "--initial-peers",
+        nobody,
+        "--host-maddrs",
+        "/ip4/127.0.0.1/tcp/0",
+        "--set",
+        "swarm.bootstrap_timeout_s=20",
+        "--set",
+        f"checkpoint.dir={tmp_path}",
+        timeout=60,
+    )
+    assert out.returncode == 1
+    errors = [line for line in one_line_error(out) if line.startswith("error:")]
+    assert errors and "could not join the swarm through" in errors[0] and nobody in errors[0]
