@@ -50,6 +50,23 @@ def _split(values: list[str] | None) -> list[str] | None:
     return [part for value in values for part in value.replace(",", " ").split()]
 
 
+def swarm_flags(
+    initial_peers: list[str] | None,
+    host_maddrs: list[str] | None,
+    announce_maddrs: list[str] | None,
+    identity_path: Path | None,
+    client_mode: bool | None = None,
+) -> dict[str, Any]:
+    """The swarm section's command-line flags as config overrides (None: not given)."""
+    return dict(
+        initial_peers=_split(initial_peers),
+        host_maddrs=_split(host_maddrs),
+        announce_maddrs=_split(announce_maddrs),
+        identity_path=identity_path,
+        client_mode=client_mode,
+    )
+
+
 def resolve(config: Path | None, sets: list[str] | None, flags: dict[str, dict[str, Any]]) -> Any:
     """Config from file + env + flags; ConfigError becomes exit 2 with the field path."""
     try:
@@ -96,13 +113,7 @@ def join(
         config,
         set_,
         {
-            "swarm": dict(
-                initial_peers=_split(initial_peers),
-                host_maddrs=_split(host_maddrs),
-                announce_maddrs=_split(announce_maddrs),
-                identity_path=identity_path,
-                client_mode=client_mode,
-            ),
+            "swarm": swarm_flags(initial_peers, host_maddrs, announce_maddrs, identity_path, client_mode),
             "device": dict(kind=device),
             "outer": dict(num_rounds=rounds),
             "log": dict(level=log_level, format=log_format),
@@ -153,12 +164,7 @@ def dht(
         None,
         set_,
         {
-            "swarm": dict(
-                initial_peers=_split(initial_peers),
-                host_maddrs=_split(host_maddrs),
-                announce_maddrs=_split(announce_maddrs),
-                identity_path=identity_path,
-            ),
+            "swarm": swarm_flags(initial_peers, host_maddrs, announce_maddrs, identity_path),
             "log": dict(level=log_level, format=log_format),
         },
     )
@@ -169,15 +175,7 @@ def dht(
     stop = threading.Event()
     install_stop_handlers(stop)
     try:
-        node = create_dht(
-            initial_peers=cfg.swarm.initial_peers,
-            host_maddrs=cfg.swarm.host_maddrs,
-            announce_maddrs=cfg.swarm.announce_maddrs,
-            identity_path=str(cfg.swarm.identity_path) if cfg.swarm.identity_path else None,
-            use_relay=cfg.swarm.use_relay,
-            use_auto_relay=cfg.swarm.use_auto_relay,
-            bootstrap_timeout_s=cfg.swarm.bootstrap_timeout_s,
-        )
+        node = create_dht(cfg.swarm)
     except SwarmError as e:
         raise fail(str(e), EXIT_RUNTIME) from None
     try:

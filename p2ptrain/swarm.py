@@ -33,6 +33,7 @@ from hivemind.utils.timed_storage import get_dht_time
 # hivemind's SchemaValidator speaks pydantic v1; the DHT record models use its compatibility module.
 from pydantic.v1 import BaseModel, StrictFloat, StrictInt, StrictStr
 
+from p2ptrain.config import SwarmConfig
 from p2ptrain.logs import get_logger
 
 log = get_logger(__name__)
@@ -140,41 +141,32 @@ class WatchedDHT(_ParentWatchdog, hivemind.DHT):
         super().run()
 
 
-def create_dht(
-    *,
-    initial_peers: Sequence[str],
-    host_maddrs: Sequence[str],
-    announce_maddrs: Sequence[str] = (),
-    identity_path: str | None = None,
-    client_mode: bool = False,
-    use_relay: bool = True,
-    use_auto_relay: bool = False,
-    bootstrap_timeout_s: float = 30.0,
-    record_validators: Sequence = (),
-) -> WatchedDHT:
-    """Start a DHT (and its p2pd) and join the swarm, or raise :class:`SwarmError` within the timeout."""
+def create_dht(cfg: SwarmConfig, record_validators: Sequence = ()) -> WatchedDHT:
+    """Start a DHT (and its p2pd) and join the swarm, or raise :class:`SwarmError` within
+    ``cfg.bootstrap_timeout_s``."""
+    initial_peers = cfg.initial_peers
     kwargs: dict[str, Any] = dict(
         initial_peers=list(initial_peers),
-        host_maddrs=list(host_maddrs),
-        announce_maddrs=list(announce_maddrs) or None,
-        client_mode=client_mode,
-        use_relay=use_relay,
-        use_auto_relay=use_auto_relay,
+        host_maddrs=list(cfg.host_maddrs),
+        announce_maddrs=list(cfg.announce_maddrs) or None,
+        client_mode=cfg.client_mode,
+        use_relay=cfg.use_relay,
+        use_auto_relay=cfg.use_auto_relay,
         record_validators=list(record_validators),
         # p2pd exits by itself once its client (the DHT child) has been gone this long.
         idle_timeout=30,
         start=False,
     )
-    if identity_path is not None:
-        kwargs["identity_path"] = identity_path
+    if cfg.identity_path is not None:
+        kwargs["identity_path"] = str(cfg.identity_path)
     dht = WatchedDHT(**kwargs)
     dht.start()
     try:
-        dht.wait_until_ready(timeout=bootstrap_timeout_s)
+        dht.wait_until_ready(timeout=cfg.bootstrap_timeout_s)
     except TimeoutError:
         _stop_dht(dht)
         raise SwarmError(
-            f"no initial peer answered within {bootstrap_timeout_s:.0f}s: {', '.join(initial_peers)}"
+            f"no initial peer answered within {cfg.bootstrap_timeout_s:.0f}s: {', '.join(initial_peers)}"
         ) from None
     except Exception as e:
         _stop_dht(dht)
@@ -214,37 +206,14 @@ class Swarm:
     DHT call here holds ``self._lock``.
     """
 
-    def __init__(
-        self,
-        run_id: str,
-        *,
-        device: str,
-        initial_peers: Sequence[str] = (),
-        host_maddrs: Sequence[str] = ("/ip4/0.0.0.0/tcp/0",),
-        announce_maddrs: Sequence[str] = (),
-        identity_path: str | None = None,
-        client_mode: bool = False,
-        use_relay: bool = True,
-        use_auto_relay: bool = False,
-        bootstrap_timeout_s: float = 30.0,
-        heartbeat_s: float = 2.0,
-        record_ttl_s: float = 20.0,
-    ):
+    def __init__(self, run_id: str, cfg: SwarmConfig, *, device: str):
         self.run_id = run_id
         self.device = device
-        self.heartbeat_s, self.record_ttl_s = heartbeat_s, record_ttl_s
+        self.heartbeat_s, self.record_ttl_s = cfg.heartbeat_s, cfg.record_ttl_s
         signer = RSASignatureValidator(RSAPrivateKey())
         self._public_key = signer.local_public_key
         self.dht = create_dht(
-            initial_peers=initial_peers,
-            host_maddrs=host_maddrs,
-            announce_maddrs=announce_maddrs,
-            identity_path=identity_path,
-            client_mode=client_mode,
-            use_relay=use_relay,
-            use_auto_relay=use_auto_relay,
-            bootstrap_timeout_s=bootstrap_timeout_s,
-            record_validators=[SchemaValidator(_ProgressSchema, prefix=run_id), signer],
+            cfg, record_validators=[SchemaValidator(_ProgressSchema, prefix=run_id), signer]
         )
         self.peer_id = self.dht.peer_id.to_base58()
         self.status = LocalStatus()

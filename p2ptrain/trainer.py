@@ -123,20 +123,7 @@ class Trainer:
         cfg = self.cfg
         # The DHT forks: create it before touching CUDA (and after logging is configured).
         self.device = pick_device(cfg.device.kind)
-        self.swarm = Swarm(
-            cfg.run.run_id,
-            device=self.device.type,
-            initial_peers=cfg.swarm.initial_peers,
-            host_maddrs=cfg.swarm.host_maddrs,
-            announce_maddrs=cfg.swarm.announce_maddrs,
-            identity_path=str(cfg.swarm.identity_path) if cfg.swarm.identity_path else None,
-            client_mode=cfg.swarm.client_mode,
-            use_relay=cfg.swarm.use_relay,
-            use_auto_relay=cfg.swarm.use_auto_relay,
-            bootstrap_timeout_s=cfg.swarm.bootstrap_timeout_s,
-            heartbeat_s=cfg.swarm.heartbeat_s,
-            record_ttl_s=cfg.swarm.record_ttl_s,
-        )
+        self.swarm = Swarm(cfg.run.run_id, cfg.swarm, device=self.device.type)
         self.peer_id = self.swarm.peer_id
         bind(peer_id=self.peer_id[-8:])
         self.maddrs = self.swarm.visible_maddrs()

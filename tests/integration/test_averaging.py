@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from p2ptrain.averaging import SwarmAverager
-from p2ptrain.config import AveragingConfig
+from p2ptrain.config import AveragingConfig, SwarmConfig
 from p2ptrain.diloco import AveragingFailed
 from p2ptrain.swarm import create_dht
 
@@ -22,10 +22,10 @@ def swarm_of():
     made = []
 
     def make(n: int, **cfg):
-        first = create_dht(initial_peers=[], host_maddrs=LOOPBACK)
+        first = create_dht(SwarmConfig(host_maddrs=LOOPBACK))
         dhts = [first]
         maddrs = [str(a) for a in first.get_visible_maddrs()]
-        dhts += [create_dht(initial_peers=maddrs, host_maddrs=LOOPBACK) for _ in range(n - 1)]
+        dhts += [create_dht(SwarmConfig(initial_peers=maddrs, host_maddrs=LOOPBACK)) for _ in range(n - 1)]
         shapes = [torch.Size([1000]), torch.Size([7, 3]), torch.Size([1])]
         config = AveragingConfig(matchmaking_time_s=2.0, request_timeout_s=1.0, retries=0, **cfg)
         averagers = [
