@@ -382,7 +382,7 @@ class SwarmAverager:
         control = self._averager.step(
             weight=float(weight),
             gather={"round": round, "peer": self.peer_id},
-            timeout=self.cfg.matchmaking_time_s * 3,
+            timeout=self.cfg.matchmaking_timeout_s,
             allow_retries=False,
             wait=False,
         )

@@ -29,7 +29,8 @@ app.add_typer(config_app, name="config")
 EXIT_RUNTIME, EXIT_USAGE = 1, 2
 
 ConfigOpt = Annotated[
-    Path | None, typer.Option("--config", "-c", help="Experiment YAML (default: configs/default.yaml).")
+    Path | None,
+    typer.Option("--config", "-c", help="Experiment YAML (default: the built-in default experiment)."),
 ]
 SetOpt = Annotated[
     list[str] | None, typer.Option("--set", help="Override any config key: --set inner.lr=3e-4 (repeatable).")

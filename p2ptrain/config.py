@@ -6,7 +6,8 @@ Every field's docstring is its help text: ``p2ptrain config reference`` renders 
 1. command-line flags and ``--set section.key=value``,
 2. environment variables ``P2PTRAIN_<SECTION>__<KEY>`` (e.g. ``P2PTRAIN_INNER__LR=3e-4``),
 3. the YAML file,
-4. the defaults below (which are ``configs/default.yaml``).
+4. the defaults below: the built-in default experiment (``configs/default.yaml`` spells it out, and a test
+   keeps the two equal).
 
 Unknown keys, wrong types and impossible combinations raise :class:`ConfigError`, whose
 message names the field path; the CLI turns it into exit code 2.
@@ -27,7 +28,6 @@ from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 ENV_PREFIX = "P2PTRAIN_"
-DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.yaml"
 
 _RUN_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
@@ -58,7 +58,7 @@ class RunConfig(_Section):
 class ModelConfig(_Section):
     name: Literal["gpt-nano", "gpt-micro", "gpt-mini", "gpt-small"] = "gpt-micro"
     """Model from the zoo (p2ptrain/models.py): byte-level GPTs from 0.1M to 10M parameters."""
-    context_length: int = Field(default=128, ge=8, le=4096)
+    context_length: int = Field(default=64, ge=8, le=4096)
     """Tokens (bytes) per training sequence."""
     dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
     """Dropout probability inside the transformer blocks."""
@@ -90,7 +90,7 @@ class DataConfig(_Section):
 class InnerConfig(_Section):
     optimizer: Literal["adamw"] = "adamw"
     """Inner optimizer, run locally on each peer's device."""
-    lr: float = Field(default=1e-3, gt=0.0)
+    lr: float = Field(default=2e-3, gt=0.0)
     """Inner learning rate (peak, after warmup)."""
     weight_decay: float = Field(default=0.1, ge=0.0)
     """AdamW weight decay."""
@@ -100,7 +100,7 @@ class InnerConfig(_Section):
     """Linear warmup of the inner learning rate over this many local steps (counted across rounds)."""
     batch_size: int = Field(default=16, ge=1)
     """Sequences per inner step on this peer."""
-    num_inner_steps: int = Field(default=50, ge=1)
+    num_inner_steps: int = Field(default=30, ge=1)
     """H: inner steps per round before the peers average their pseudo-gradients."""
     grad_clip: float = Field(default=1.0, ge=0.0)
     """Clip the gradient norm to this value; 0 turns clipping off."""
@@ -113,7 +113,7 @@ class OuterConfig(_Section):
     """Outer momentum (DiLoCo: 0.9)."""
     nesterov: bool = True
     """Use Nesterov momentum for the outer step (DiLoCo: yes)."""
-    num_rounds: int = Field(default=10, ge=1)
+    num_rounds: int = Field(default=8, ge=1)
     """Outer rounds to train. Every peer stops after this round and writes the final model."""
 
 
@@ -128,6 +128,9 @@ class AveragingConfig(_Section):
     """How long a peer gathers a group before the all-reduce starts."""
     request_timeout_s: float = Field(default=1.5, gt=0.0)
     """Timeout of one matchmaking request. Must be smaller than averaging.matchmaking_time_s."""
+    matchmaking_timeout_s: float = Field(default=15.0, gt=0.0)
+    """Give up looking for a group after this long (then retry, or apply this peer's own pseudo-gradient).
+    Must exceed averaging.matchmaking_time_s; generous, since a loaded machine answers slowly."""
     allreduce_timeout_s: float = Field(default=60.0, gt=0.0)
     """Give up an all-reduce (and fall back to this peer's own pseudo-gradient) after this long."""
     next_chunk_timeout_s: float = Field(default=10.0, gt=0.0)
@@ -144,6 +147,11 @@ class AveragingConfig(_Section):
             raise ValueError(
                 "averaging.request_timeout_s must be smaller than averaging.matchmaking_time_s "
                 f"({self.request_timeout_s} >= {self.matchmaking_time_s})"
+            )
+        if self.matchmaking_timeout_s <= self.matchmaking_time_s:
+            raise ValueError(
+                "averaging.matchmaking_timeout_s must exceed averaging.matchmaking_time_s "
+                f"({self.matchmaking_timeout_s} <= {self.matchmaking_time_s})"
             )
         if self.min_group_size > self.target_group_size:
             raise ValueError("averaging.min_group_size must not exceed averaging.target_group_size")
@@ -346,14 +354,12 @@ def load_config(path: Path | None = None, overrides: dict[str, Any] | None = Non
     """Resolve a config from YAML, ``P2PTRAIN_`` env vars and overrides (flags, ``--set``).
 
     Args:
-        path: a YAML file; None uses configs/default.yaml when it exists, else the built-in defaults.
+        path: a YAML file; None: the built-in defaults (the default experiment).
         overrides: a nested dict, highest precedence.
 
     Raises:
         ConfigError: one line per problem, each naming the field path.
     """
-    if path is None and DEFAULT_CONFIG.is_file():
-        path = DEFAULT_CONFIG
     data = read_yaml(path) if path is not None else {}
     token = _YAML_DATA.set(data)
     try:
