@@ -38,20 +38,30 @@ class _Group:
 def simulate(cfg, peers: int) -> dict:
     corpus = Corpus.from_bytes(load_corpus(cfg.data), cfg.model.context_length, cfg.data.val_fraction)
     models = [build_model(cfg.model.name, cfg.model.context_length, seed=cfg.run.seed) for _ in range(peers)]
-    outer = [DiLoCo(m, lr=cfg.outer.lr, momentum=cfg.outer.momentum, nesterov=cfg.outer.nesterov) for m in models]
+    outer = [
+        DiLoCo(m, lr=cfg.outer.lr, momentum=cfg.outer.momentum, nesterov=cfg.outer.nesterov) for m in models
+    ]
     inner = [
-        torch.optim.AdamW(m.parameters(), lr=cfg.inner.lr, betas=cfg.inner.betas, weight_decay=cfg.inner.weight_decay)
+        torch.optim.AdamW(
+            m.parameters(), lr=cfg.inner.lr, betas=cfg.inner.betas, weight_decay=cfg.inner.weight_decay
+        )
         for m in models
     ]
     steps = 0
     curve = []
     for r in range(cfg.outer.num_rounds):
         for i in range(peers):
-            batches = corpus.batches(corpus.shard(seed=cfg.run.seed, round=r, rank=i, world=peers), cfg.inner.batch_size)
+            batches = corpus.batches(
+                corpus.shard(seed=cfg.run.seed, round=r, rank=i, world=peers), cfg.inner.batch_size
+            )
             for s in range(cfg.inner.num_inner_steps):
                 x, y = next(batches)
                 k = steps + s
-                lr = cfg.inner.lr * min(1.0, (k + 1) / cfg.inner.warmup_steps) if cfg.inner.warmup_steps else cfg.inner.lr
+                lr = (
+                    cfg.inner.lr * min(1.0, (k + 1) / cfg.inner.warmup_steps)
+                    if cfg.inner.warmup_steps
+                    else cfg.inner.lr
+                )
                 for g in inner[i].param_groups:
                     g["lr"] = lr
                 logits = models[i](x)

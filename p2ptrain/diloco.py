@@ -137,6 +137,9 @@ class DiLoCo:
         try:
             result = averager.average(delta, weight=weight, round=round)
         except AveragingFailed as e:
+            if e.reason == "stopped":  # the peer is shutting down: keep the round's global params as they are
+                self.reset_model()
+                return OuterStepReport(round, group_size=0, delta_norm=norm, applied=False, failure=e.reason)
             self.outer_step(delta)
             return OuterStepReport(round, group_size=1, delta_norm=norm, applied=True, failure=e.reason)
         self.outer_step(result.tensors)

@@ -55,6 +55,10 @@ def parse_multiaddr(value: str) -> Multiaddr:
         raise ValueError(f"not a valid multiaddr: {value!r} ({e})") from None
 
 
+def is_loopback(maddr: str) -> bool:
+    return maddr.startswith(("/ip4/127.", "/ip6/::1/", "/dns/localhost/", "/dns4/localhost/"))
+
+
 class ProgressRecord(BaseModel):
     """What a peer tells the swarm about itself. Stored signed; read by every peer and by monitors."""
 
@@ -145,7 +149,11 @@ def create_dht(cfg: SwarmConfig, record_validators: Sequence = ()) -> WatchedDHT
     """Start a DHT (and its p2pd) and join the swarm, or raise :class:`SwarmError` within
     ``cfg.bootstrap_timeout_s``."""
     initial_peers = cfg.initial_peers
+    # On loopback there is nothing to map or probe; UPnP discovery would multicast to the LAN.
+    loopback_only = all(is_loopback(m) for m in cfg.host_maddrs)
     kwargs: dict[str, Any] = dict(
+        nat_port_map=cfg.nat_port_map and not loopback_only,
+        auto_nat=not loopback_only,
         initial_peers=list(initial_peers),
         host_maddrs=list(cfg.host_maddrs),
         announce_maddrs=list(cfg.announce_maddrs) or None,

@@ -278,7 +278,8 @@ class Trainer:
         """The barrier: wait for this round's other peers to finish their inner phase.
 
         Returns the records of the peers to average with (possibly none), or None if the swarm moved to
-        a later round meanwhile (we then load its state and our pseudo-gradient is dropped as stale).
+        a later round meanwhile (we then load its state and our pseudo-gradient is dropped as stale) or a
+        stop was requested.
         """
         assert self.swarm is not None
         self.swarm.update(state="averaging")
@@ -305,7 +306,7 @@ class Trainer:
                 )
                 break
             if self.stop.wait(self._poll_s):
-                return []
+                return None  # stopping: leave the round unfinished rather than step alone
         mine = self.diloco.params_hash()
         canon = canonical_hash([*ready, self._own_record(mine)])
         if canon != mine:
