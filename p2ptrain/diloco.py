@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -118,13 +118,20 @@ class DiLoCo:
             for p, m, d in zip(self.model_params, self.master, delta):
                 p.copy_((m - d).to(p.device, p.dtype))
 
-    def sync(self, averager: Averager | None, *, weight: float, round: int) -> OuterStepReport:
+    def sync(
+        self,
+        averager: Averager | None,
+        *,
+        weight: float,
+        round: int,
+        fallback: Callable[[], bool] = lambda: True,
+    ) -> OuterStepReport:
         """End a round: average the pseudo-gradient (if there is anyone to average with) and step.
 
         Failure semantics: a pseudo-gradient with NaN or Inf is never sent; the peer keeps its global
         params and skips the step. If the averager fails (no group, timeout, a peer left mid-way), the
-        peer applies its own pseudo-gradient and says so in the report; the swarm's params-hash check
-        brings it back in line with the others at the next round.
+        peer applies its own pseudo-gradient if ``fallback()`` says so (the trainer says no when the swarm
+        has moved past this round: it will load the swarm's state instead), and says so in the report.
         """
         delta = self.pseudo_gradient()
         norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(d) for d in delta])))
@@ -137,7 +144,7 @@ class DiLoCo:
         try:
             result = averager.average(delta, weight=weight, round=round)
         except AveragingFailed as e:
-            if e.reason == "stopped":  # the peer is shutting down: keep the round's global params as they are
+            if e.reason == "stopped" or not fallback():  # keep the round's global params as they are
                 self.reset_model()
                 return OuterStepReport(round, group_size=0, delta_norm=norm, applied=False, failure=e.reason)
             self.outer_step(delta)

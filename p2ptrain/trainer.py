@@ -291,9 +291,8 @@ class Trainer:
                 self.catch_up()
                 if self.round != before:
                     return None
-            same = [
-                r for r in others.values() if r.round == self.round and r.state in ("training", "averaging")
-            ]
+            # Peers still loading at our round will train it too: wait for them as for any other.
+            same = [r for r in others.values() if r.round == self.round and r.state != "done"]
             ready = [r for r in same if r.state == "averaging"]
             if len(ready) == len(same):
                 break
@@ -323,7 +322,10 @@ class Trainer:
         t0 = time.monotonic()
         alone = len(peers) + 1 < max(self.cfg.averaging.min_group_size, 2)
         report = self.diloco.sync(
-            None if alone else self.averager, weight=max(stats.samples, 1), round=self.round
+            None if alone else self.averager,
+            weight=max(stats.samples, 1),
+            round=self.round,
+            fallback=self._step_alone_after_failure,
         )
         report_duration = time.monotonic() - t0
         self.swarm.update(
@@ -337,6 +339,14 @@ class Trainer:
         self.averager.set_round(self.round)
         self._last_sync_s = report_duration
         return report
+
+    def _step_alone_after_failure(self) -> bool:
+        """Averaging failed: step with our own pseudo-gradient, unless the swarm has already moved past
+        this round (then our step would fork the params; the next catch-up loads the swarm's instead)."""
+        ahead = [r for r in self._others().values() if r.round > self.round and r.state != "loading"]
+        if ahead:
+            log.warning("averaging failed and the swarm moved on; will load its state", round=self.round)
+        return not ahead
 
     def log_round(self, report: OuterStepReport, stats: RoundStats) -> None:
         val_loss = self.evaluate()

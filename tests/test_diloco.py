@@ -86,6 +86,16 @@ def test_a_stop_during_averaging_applies_nothing():
     assert not report.applied and d.master[0].item() == 1.0 and model.w.item() == 1.0 and d.round == 0
 
 
+def test_failed_averaging_steps_nothing_when_fallback_declines():
+    model = scalar_model(1.0)
+    d = DiLoCo(model, lr=1.0, momentum=0.0, nesterov=False)
+    with torch.no_grad():
+        model.w.fill_(0.75)
+    report = d.sync(FakeAverager(fail="no_group"), weight=1.0, round=0, fallback=lambda: False)
+    assert not report.applied and report.failure == "no_group"
+    assert d.master[0].item() == 1.0 and model.w.item() == 1.0 and d.round == 0
+
+
 def test_alone_applies_own_delta_without_averager():
     model = scalar_model(2.0)
     d = DiLoCo(model, lr=0.5, momentum=0.0, nesterov=False)
