@@ -32,12 +32,6 @@ import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AllreduceException, AllReduceRunner, AveragingMode
 from hivemind.averaging.partition import TensorPartContainer
-from hivemind.compression import (
-    CompressionBase,
-    Float16Compression,
-    NoCompression,
-    deserialize_torch_tensor,
-)
 from hivemind.compression.serialization import combine_from_streaming
 from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2
@@ -50,6 +44,7 @@ from hivemind.utils.asyncio import (
     azip,
 )
 
+from p2ptrain.compression import deserialize, make_codec
 from p2ptrain.config import AveragingConfig
 from p2ptrain.diloco import AverageResult, AveragingFailed
 from p2ptrain.logs import get_logger
@@ -62,12 +57,6 @@ _POLL_S = 0.25
 
 class _Stopped(Exception):
     pass
-
-
-COMPRESSION: dict[str, Callable[[], CompressionBase]] = {
-    "none": NoCompression,
-    "fp16": Float16Compression,
-}
 
 
 def round_group_bits(round: int) -> str:
@@ -119,7 +108,7 @@ class ExactAllReduceRunner(AllReduceRunner):
                 )
                 serialized = await self._serialized_average(part_index, averaged_part)
                 self.tensor_part_container.register_processed_part(
-                    peer_index, part_index, deserialize_torch_tensor(serialized)
+                    peer_index, part_index, deserialize(serialized)
                 )
             return
         try:
@@ -133,7 +122,7 @@ class ExactAllReduceRunner(AllReduceRunner):
                 if msg.code != averaging_pb2.AVERAGED_PART:
                     raise AllreduceException(f"{peer_id} sent {averaging_pb2.MessageCode.Name(msg.code)}")
                 self.bytes_received += len(msg.tensor_part.buffer)
-                return deserialize_torch_tensor(msg.tensor_part)
+                return deserialize(msg.tensor_part)
 
             part_index = 0
             async for averaged in amap_in_executor(
@@ -182,7 +171,7 @@ class ExactAllReduceRunner(AllReduceRunner):
 
     def _count_received(self, msg) -> torch.Tensor:
         self.bytes_received += len(msg.tensor_part.buffer)
-        return deserialize_torch_tensor(msg.tensor_part)
+        return deserialize(msg.tensor_part)
 
 
 class ExactAverager(_ParentWatchdog, DecentralizedAverager):
@@ -274,11 +263,11 @@ class ExactAverager(_ParentWatchdog, DecentralizedAverager):
             if message.metadata:
                 metadata = self.serializer.loads(message.metadata)
             if message.tensor_part.dtype and parts:  # a dtype marks the first part of the next tensor
-                tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+                tensors.append(deserialize(combine_from_streaming(parts)))
                 parts = []
             parts.append(message.tensor_part)
         if parts:
-            tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+            tensors.append(deserialize(combine_from_streaming(parts)))
         return metadata, tensors
 
 
@@ -325,7 +314,9 @@ class SwarmAverager:
                 request_timeout=cfg.request_timeout_s,
                 allreduce_timeout=cfg.allreduce_timeout_s,
                 next_chunk_timeout=cfg.next_chunk_timeout_s,
-                compression=COMPRESSION[cfg.compression](),
+                compression=make_codec(
+                    cfg.compression, block_size=cfg.block_size, small_tensor_numel=cfg.small_tensor_numel
+                ),
                 client_mode=client_mode,
                 allow_state_sharing=not client_mode,
                 declare_state_period=10,

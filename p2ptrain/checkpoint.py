@@ -22,6 +22,7 @@ from p2ptrain.diloco import DiLoCo, tensors_hash
 
 FORMAT = "p2ptrain/1"
 MOMENTUM_PREFIX = "outer_momentum."
+RESIDUAL_PREFIX = "error_feedback."
 
 
 class CheckpointError(ValueError):
@@ -41,8 +42,10 @@ def save(
         params = [m.clone() for m in diloco.master]
         momentum = [b.clone() for b in diloco.momentum_buffers()]
         round_ = diloco.round
+        residuals = [r.clone() for r in diloco.error_feedback.residuals] if diloco.error_feedback else []
     tensors = {name: t.contiguous() for name, t in zip(names, params)}
     tensors.update({MOMENTUM_PREFIX + name: t.contiguous() for name, t in zip(names, momentum)})
+    tensors.update({RESIDUAL_PREFIX + name: t.contiguous() for name, t in zip(names, residuals)})
     metadata = {
         "format": FORMAT,
         "round": str(round_),
@@ -106,7 +109,7 @@ def load(path: Path) -> LoadedModel:
         config = ExperimentConfig.model_validate(json.loads(metadata["config"]))
     except (ConfigError, ValueError, KeyError) as e:
         raise CheckpointError(f"{path}: its embedded config is invalid: {e}") from None
-    params = {k: v for k, v in tensors.items() if not k.startswith(MOMENTUM_PREFIX)}
+    params = {k: v for k, v in tensors.items() if not k.startswith((MOMENTUM_PREFIX, RESIDUAL_PREFIX))}
     return LoadedModel(config=config, round=int(metadata["round"]), params=params, metadata=metadata)
 
 

@@ -195,8 +195,16 @@ def run_demo(
         model = build_model(loaded.config.model.name, loaded.config.model.context_length)
         checkpoint.load_into(model, loaded, path)
         metrics = evaluate(model, corpus, cfg, torch.device("cpu"))
-        sent = sum(e.get("bytes_sent", 0) for e in procs[i].events if e.get("event") == "outer step")
-        per_peer.append({"path": str(path), "sha256": loaded.params_sha256(), "bytes_sent": sent, **metrics})
+        per_round = [e.get("bytes_sent", 0) for e in procs[i].events if e.get("event") == "outer step"]
+        per_peer.append(
+            {
+                "path": str(path),
+                "sha256": loaded.params_sha256(),
+                "bytes_sent": sum(per_round),
+                "bytes_sent_per_round": per_round,
+                **metrics,
+            }
+        )
 
     final_losses = [p["val_loss"] for p in per_peer]
     hashes = [p["sha256"] for p in per_peer]
@@ -216,7 +224,9 @@ def run_demo(
         "final_params_sha256": hashes,
         "params_identical": identical,
         "samples_total": samples_total,
+        "compression": cfg.averaging.compression,
         "bytes_sent_per_peer": [p["bytes_sent"] for p in per_peer],
+        "bytes_sent_per_round": [p["bytes_sent_per_round"] for p in per_peer],
         "wall_s": round(time.monotonic() - t0, 1),
     }
     _print_summary(summary, per_peer)

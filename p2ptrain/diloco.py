@@ -17,10 +17,13 @@ import hashlib
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn as nn
+
+if TYPE_CHECKING:  # the algorithm stays free of hivemind; the codec comes in from outside
+    from p2ptrain.compression import ErrorFeedback
 
 
 class AveragingFailed(RuntimeError):
@@ -76,7 +79,15 @@ class DiLoCo:
     half-updated state.
     """
 
-    def __init__(self, model: nn.Module, *, lr: float, momentum: float, nesterov: bool):
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        lr: float,
+        momentum: float,
+        nesterov: bool,
+        error_feedback: ErrorFeedback | None = None,
+    ):
         self.model_params = [p for p in model.parameters() if p.requires_grad]
         # The master copy: CPU float32, whatever the device and dtype of the inner phase.
         self.master = [p.detach().to("cpu", torch.float32, copy=True) for p in self.model_params]
@@ -84,6 +95,7 @@ class DiLoCo:
             self.master, lr=lr, momentum=momentum, nesterov=nesterov and momentum > 0
         )
         self.lock = threading.Lock()
+        self.error_feedback = error_feedback
         self.round = 0
         """The round whose global params ``master`` holds; advanced by :meth:`outer_step`, under the lock."""
 
@@ -141,14 +153,21 @@ class DiLoCo:
         if averager is None:
             self.outer_step(delta)
             return OuterStepReport(round, group_size=1, delta_norm=norm, applied=True, failure=None)
+        ef = self.error_feedback
         try:
-            result = averager.average(delta, weight=weight, round=round)
+            # With error feedback we send Q(delta + residual): already on the wire's grid, so what the
+            # codec drops is exactly the residual we keep.
+            result = averager.average(ef.prepare(delta) if ef else delta, weight=weight, round=round)
         except AveragingFailed as e:
+            if ef:
+                ef.discard()  # nothing was sent: the old residual still stands
             if e.reason == "stopped" or not fallback():  # keep the round's global params as they are
                 self.reset_model()
                 return OuterStepReport(round, group_size=0, delta_norm=norm, applied=False, failure=e.reason)
             self.outer_step(delta)
             return OuterStepReport(round, group_size=1, delta_norm=norm, applied=True, failure=e.reason)
+        if ef:
+            ef.commit()
         self.outer_step(result.tensors)
         return OuterStepReport(
             round,

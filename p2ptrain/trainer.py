@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from p2ptrain import checkpoint
 from p2ptrain.averaging import SwarmAverager
+from p2ptrain.compression import ErrorFeedback, make_codec
 from p2ptrain.config import ExperimentConfig
 from p2ptrain.data import Corpus, load_corpus
 from p2ptrain.diloco import DiLoCo, OuterStepReport, tensors_hash
@@ -137,8 +138,22 @@ class Trainer:
             cfg.model.name, cfg.model.context_length, cfg.model.dropout, seed=cfg.run.seed
         )
         self.model.to(self.device)
+        error_feedback = None
+        if cfg.averaging.error_feedback:
+            codec = make_codec(
+                cfg.averaging.compression,
+                block_size=cfg.averaging.block_size,
+                small_tensor_numel=cfg.averaging.small_tensor_numel,
+            )
+            error_feedback = ErrorFeedback(
+                codec, [p.shape for p in self.model.parameters() if p.requires_grad]
+            )
         self.diloco = DiLoCo(
-            self.model, lr=cfg.outer.lr, momentum=cfg.outer.momentum, nesterov=cfg.outer.nesterov
+            self.model,
+            lr=cfg.outer.lr,
+            momentum=cfg.outer.momentum,
+            nesterov=cfg.outer.nesterov,
+            error_feedback=error_feedback,
         )
         self.inner_opt = torch.optim.AdamW(
             self.diloco.model_params,
@@ -349,6 +364,11 @@ class Trainer:
         return not ahead
 
     def log_round(self, report: OuterStepReport, stats: RoundStats) -> None:
+        if report.failure == "non_finite":
+            log.warning(
+                "pseudo-gradient has NaN or Inf: not sent, this round's local work dropped, state kept",
+                round=report.round,
+            )
         val_loss = self.evaluate()
         self.val_losses.append((self.round, val_loss))
         log.info(

@@ -33,6 +33,27 @@ def test_roundtrip_keeps_params_round_and_config(tmp_path):
     assert not list(tmp_path.glob("*.tmp")), "no temporary file is left behind"
 
 
+def test_error_feedback_residuals_are_kept_in_the_file(tmp_path):
+    from safetensors.torch import load_file
+
+    from p2ptrain.compression import ErrorFeedback, make_codec
+
+    cfg = ExperimentConfig()
+    model = build_model("gpt-nano", 16)
+    shapes = [p.shape for p in model.parameters()]
+    d = DiLoCo(
+        model, lr=0.7, momentum=0.9, nesterov=True, error_feedback=ErrorFeedback(make_codec("int4"), shapes)
+    )
+    d.error_feedback.residuals[0].fill_(0.25)
+    path = tmp_path / "ef.safetensors"
+    checkpoint.save(path, model, d, cfg)
+    stored = load_file(str(path))
+    assert torch.equal(
+        stored[checkpoint.RESIDUAL_PREFIX + checkpoint.param_names(model)[0]], d.error_feedback.residuals[0]
+    )
+    assert not any(k.startswith(checkpoint.RESIDUAL_PREFIX) for k in checkpoint.load(path).params)
+
+
 def test_corrupted_file_is_refused(tmp_path):
     _, _, _, path = make(tmp_path)
     raw = bytearray(path.read_bytes())

@@ -15,8 +15,13 @@ from tests.integration.conftest import LOOPBACK, TINY, join_args
 pytestmark = pytest.mark.integration
 
 
-def test_demo_three_peers_end_with_identical_params_and_lower_loss(tmp_path):
+@pytest.mark.parametrize(
+    "compression",
+    [["averaging.compression=int8"], ["averaging.compression=int4", "averaging.error_feedback=true"]],
+)
+def test_demo_three_peers_end_with_identical_params_and_lower_loss(tmp_path, compression):
     summary_path = tmp_path / "summary.json"
+    sets = [arg for item in compression for arg in ("--set", item)]
     out = subprocess.run(
         [
             sys.executable,
@@ -27,6 +32,7 @@ def test_demo_three_peers_end_with_identical_params_and_lower_loss(tmp_path):
             "3",
             "--config",
             str(TINY),
+            *sets,
             "--workdir",
             str(tmp_path / "demo"),
             "--summary-json",
@@ -43,6 +49,14 @@ def test_demo_three_peers_end_with_identical_params_and_lower_loss(tmp_path):
     assert summary["final_val_loss"] < summary["initial_val_loss"] - 0.5
     assert summary["samples_total"] == 3 * 3 * 5 * 8  # peers x rounds x H x batch
     assert "round   3/3" in out.stdout and "all peers hold identical params" in out.stdout
+    # Bytes on the wire are measured per round and shrink with the codec (fp32 would be 4 bytes a value).
+    params = 118_528
+    per_round = summary["bytes_sent_per_round"]
+    assert len(per_round) == 3 and all(
+        len(rounds) == 3 and all(b > 0 for b in rounds) for rounds in per_round
+    )
+    limit = {"int8": 0.3, "int4": 0.17}[summary["compression"]]
+    assert max(max(rounds) for rounds in per_round) < limit * 4 * params * 2 * (3 - 1) / 3
 
 
 def test_dht_node_and_two_joins_train_to_the_end(tmp_path, spawn):
