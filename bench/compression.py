@@ -24,12 +24,12 @@ from pathlib import Path
 import torch
 from hivemind.compression import CompressionInfo
 
+from bench.report import DOC, replace_block
 from p2ptrain.compression import BlockwiseQuantization, deserialize, make_codec
 from p2ptrain.config import load_config, parse_set
 from p2ptrain.demo import run_demo
 
 ROOT = Path(__file__).resolve().parent.parent
-DOC = ROOT / "docs" / "benchmarks.md"
 VARIANTS = {
     "none": ["averaging.compression=none"],
     "fp16": ["averaging.compression=fp16"],
@@ -154,12 +154,7 @@ def write_tables(r: dict) -> None:
             )
     rows.append("")
     rows.append(f"Measured {r['date']}.")
-    block = "<!-- compression:start -->\n" + "\n".join(rows) + "\n<!-- compression:end -->"
-    text = DOC.read_text()
-    start, end = text.find("<!-- compression:start -->"), text.find("<!-- compression:end -->")
-    if start == -1 or end == -1:
-        raise SystemExit(f"{DOC}: missing the <!-- compression:start --> / <!-- compression:end --> markers")
-    DOC.write_text(text[:start] + block + text[end + len("<!-- compression:end -->") :])
+    replace_block("compression", rows)
 
 
 if __name__ == "__main__":

@@ -28,12 +28,12 @@ from pathlib import Path
 
 import torch
 
+from bench.report import DOC, replace_block
 from p2ptrain.config import load_config, parse_set
 from p2ptrain.demo import run_demo
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
-DOC = ROOT / "docs" / "benchmarks.md"
 
 
 def loopback_tx_bytes() -> int:
@@ -187,12 +187,7 @@ def write_table(r: dict) -> None:
         f"peer, compression `{e['compression']}`, config `{e['config']}` {' '.join(e['overrides'])}; "
         f"{r['machine']['cpus']} CPUs, torch {r['machine']['torch']}, {r['date']}.",
     ]
-    block = "<!-- quality:start -->\n" + "\n".join(rows) + "\n<!-- quality:end -->"
-    text = DOC.read_text() if DOC.exists() else ""
-    start, end = text.find("<!-- quality:start -->"), text.find("<!-- quality:end -->")
-    if start == -1 or end == -1:
-        raise SystemExit(f"{DOC}: missing the <!-- quality:start --> / <!-- quality:end --> markers")
-    DOC.write_text(text[:start] + block + text[end + len("<!-- quality:end -->") :])
+    replace_block("quality", rows)
 
 
 if __name__ == "__main__":

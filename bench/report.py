@@ -1,0 +1,17 @@
+"""Writing benchmark tables into docs/benchmarks.md, between <!-- name:start --> and <!-- name:end --> markers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+DOC = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
+
+
+def replace_block(name: str, rows: list[str], doc: Path = DOC) -> None:
+    start_marker, end_marker = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
+    text = doc.read_text()
+    start, end = text.find(start_marker), text.find(end_marker)
+    if start == -1 or end == -1:
+        raise SystemExit(f"{doc}: missing the {start_marker} / {end_marker} markers")
+    block = start_marker + "\n" + "\n".join(rows) + "\n" + end_marker
+    doc.write_text(text[:start] + block + text[end + len(end_marker) :])
