@@ -60,19 +60,21 @@ class Corpus:
     def batches(self, starts: torch.Tensor, batch_size: int):
         """Yield (x, y) int64 batches over the given window starts, cycling if the shard runs out."""
         T = self.context_length
+        offsets = torch.arange(T + 1)
         i = 0
         while True:
             idx = starts[torch.arange(i, i + batch_size) % len(starts)]
             i += batch_size
-            rows = torch.stack([self.train[s : s + T + 1] for s in idx.tolist()]).long()
+            rows = self.train[idx[:, None] + offsets].long()  # (B, T + 1): one gather, no Python loop
             yield rows[:, :-1], rows[:, 1:]
 
     def val_batches(self, batch_size: int, max_batches: int):
         """Fixed, non-overlapping validation windows: the same on every peer and every call."""
         T = self.context_length
-        starts = list(range(0, len(self.val) - T - 1, T))[: batch_size * max_batches]
+        starts = torch.arange(0, len(self.val) - T - 1, T)[: batch_size * max_batches]
+        offsets = torch.arange(T + 1)
         for i in range(0, len(starts), batch_size):
-            rows = torch.stack([self.val[s : s + T + 1] for s in starts[i : i + batch_size]]).long()
+            rows = self.val[starts[i : i + batch_size, None] + offsets].long()
             yield rows[:, :-1], rows[:, 1:]
 
 
