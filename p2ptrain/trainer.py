@@ -99,8 +99,10 @@ class Trainer:
             if self.on_started is not None:
                 self.on_started(self.maddrs)
             self.join_swarm()
-            while self.round < self.cfg.outer.num_rounds and not self.stop.is_set():
-                self.catch_up()
+            while not self.stop.is_set():
+                self.catch_up()  # may jump several rounds, up to the end of the run
+                if self.round >= self.cfg.outer.num_rounds:
+                    break
                 stats = self.inner_phase()
                 if self.stop.is_set():
                     break
