@@ -141,10 +141,12 @@ class AveragingConfig(_Section):
     matchmaking_timeout_s: float = Field(default=15.0, gt=0.0)
     """Give up looking for a group after this long (then retry, or apply this peer's own pseudo-gradient).
     Must exceed averaging.matchmaking_time_s; generous, since a loaded machine answers slowly."""
-    allreduce_timeout_s: float = Field(default=60.0, gt=0.0)
-    """Give up an all-reduce (and fall back to this peer's own pseudo-gradient) after this long."""
-    next_chunk_timeout_s: float = Field(default=10.0, gt=0.0)
-    """A groupmate silent for this long during the all-reduce is dropped from it."""
+    allreduce_timeout_s: float = Field(default=120.0, gt=0.0)
+    """Give up an all-reduce (and fall back to this peer's own pseudo-gradient) after this long. Must exceed
+    twice averaging.next_chunk_timeout_s, the longest a groupmate that stalls as reducer is waited for."""
+    next_chunk_timeout_s: float = Field(default=30.0, gt=0.0)
+    """A sender that has not started, or a groupmate silent for this long during the all-reduce, is dropped
+    from it. Generous on purpose: a slow home uplink or a starved CPU must not cost a peer its round."""
     barrier_timeout_s: float = Field(default=300.0, gt=0.0)
     """After its inner phase, a peer waits at most this long for the swarm's other peers of the same round
     to finish theirs before it averages with whoever is ready."""
@@ -168,6 +170,11 @@ class AveragingConfig(_Section):
             raise ValueError(
                 "averaging.matchmaking_timeout_s must exceed averaging.matchmaking_time_s "
                 f"({self.matchmaking_timeout_s} <= {self.matchmaking_time_s})"
+            )
+        if self.allreduce_timeout_s <= 2 * self.next_chunk_timeout_s:
+            raise ValueError(
+                "averaging.allreduce_timeout_s must exceed twice averaging.next_chunk_timeout_s "
+                f"({self.allreduce_timeout_s} <= 2 * {self.next_chunk_timeout_s})"
             )
         if self.min_group_size > self.target_group_size:
             raise ValueError("averaging.min_group_size must not exceed averaging.target_group_size")
