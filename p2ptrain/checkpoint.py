@@ -128,4 +128,55 @@ def load_into(model: torch.nn.Module, loaded: LoadedModel, path: Path | str = ""
             p.copy_(t)
 
 
-__all__ = ["CheckpointError", "LoadedModel", "load", "load_config", "load_into", "save"]
+def load_state(
+    model: torch.nn.Module, path: Path, config_hash: str
+) -> tuple[int, list[torch.Tensor], list[torch.Tensor]]:
+    """Read a checkpoint's full training state for ``model``: (round, params + outer momentum, residuals).
+
+    Raises:
+        CheckpointError: unreadable, of another experiment config, or failing its recorded params hash.
+    """
+    loaded = load(path)
+    if loaded.metadata.get("config_hash") != config_hash:
+        raise CheckpointError(
+            f"{path}: written by a different experiment config (run, model, data, inner or outer)"
+        )
+    names = param_names(model)
+    tensors = load_file(str(path))
+    missing = [k for n in names for k in (n, MOMENTUM_PREFIX + n) if k not in tensors]
+    if missing:
+        raise CheckpointError(
+            f"{path}: {len(missing)} params or outer momentum tensors missing for this model"
+        )
+    params = [tensors[n] for n in names]
+    momentum = [tensors[MOMENTUM_PREFIX + n] for n in names]
+    if tensors_hash(params) != loaded.metadata.get("params_hash"):
+        raise CheckpointError(f"{path}: params do not match their recorded hash (corrupted file?)")
+    residuals = [tensors[RESIDUAL_PREFIX + n] for n in names if RESIDUAL_PREFIX + n in tensors]
+    return loaded.round, params + momentum, residuals if len(residuals) == len(names) else []
+
+
+def candidates(directory: Path) -> list[Path]:
+    """Checkpoint files in ``directory``, newest first (by modification time)."""
+    files = [f for f in Path(directory).glob("*.safetensors") if f.is_file()]
+    return sorted(files, key=lambda f: f.stat().st_mtime, reverse=True)
+
+
+def prune(directory: Path, keep_last: int) -> None:
+    """Delete periodic checkpoints (round-*.safetensors) beyond the newest ``keep_last``."""
+    periodic = sorted(Path(directory).glob("round-*.safetensors"))
+    for old in periodic[: max(0, len(periodic) - keep_last)]:
+        old.unlink(missing_ok=True)
+
+
+__all__ = [
+    "CheckpointError",
+    "LoadedModel",
+    "candidates",
+    "load",
+    "load_config",
+    "load_into",
+    "load_state",
+    "prune",
+    "save",
+]

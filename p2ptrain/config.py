@@ -248,7 +248,13 @@ class CheckpointConfig(_Section):
     dir: Path = Path("checkpoints")
     """Where the final model (and periodic checkpoints) are written."""
     every_rounds: int = Field(default=0, ge=0)
-    """Write a checkpoint every N rounds (0: only the final model)."""
+    """Write a checkpoint every N rounds (0: only the final model, and interrupted.safetensors on a stop)."""
+    keep_last: int = Field(default=3, ge=1)
+    """Keep this many periodic checkpoints (round-*.safetensors); older ones are deleted."""
+    resume: bool = True
+    """On start, continue from the newest valid checkpoint in checkpoint.dir whose experiment config matches
+    (params, outer momentum, round, error-feedback residual). Corrupted or mismatched files are refused
+    with a warning, never loaded. If the swarm is ahead, the peer then loads the swarm's state instead."""
 
 
 class LogConfig(_Section):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -107,6 +108,11 @@ def run_demo(
     run_id = f"demo-{uuid.uuid4().hex[:8]}"  # a fresh run: never mix with an earlier demo's records
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
+    for old in workdir.glob("peer*"):  # an earlier demo's files: never resumed, never mixed into this summary
+        if old.is_dir():
+            shutil.rmtree(old)
+        else:
+            old.unlink()
     threads = cfg.device.num_threads or max(1, (os.cpu_count() or 1) // peers)
     base = [sys.executable, "-m", "p2ptrain", "join", "--host-maddrs", LOOPBACK, "--log-format", "json"]
     if config_path is not None:

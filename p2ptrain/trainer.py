@@ -165,6 +165,8 @@ class Trainer:
         )
         self.inner_steps_total = 0
         self.samples_total = 0
+        if cfg.checkpoint.resume:
+            self.resume_from_checkpoint()
         self.averager = SwarmAverager(
             self.swarm.dht,
             run_id=cfg.run.run_id,
@@ -392,6 +394,25 @@ class Trainer:
         every = self.cfg.checkpoint.every_rounds
         if every and self.round % every == 0:
             self.save(self.checkpoint_dir / f"round-{self.round:06d}.safetensors")
+            checkpoint.prune(self.checkpoint_dir, self.cfg.checkpoint.keep_last)
+
+    def resume_from_checkpoint(self) -> None:
+        """Continue from the newest valid checkpoint of this experiment in checkpoint.dir, if any.
+
+        A file that is corrupted, truncated or of another config is refused with a warning and the next
+        newest is tried: a bad file is never loaded silently, and a good older one is not ignored.
+        """
+        for path in checkpoint.candidates(self.checkpoint_dir):
+            try:
+                round_, state, residuals = checkpoint.load_state(self.model, path, self.cfg.training_hash())
+                self.diloco.load_state_tensors(state, round=round_)
+            except (checkpoint.CheckpointError, ValueError) as e:
+                log.warning("refused a checkpoint", path=str(path), reason=str(e))
+                continue
+            if residuals and self.diloco.error_feedback is not None:
+                self.diloco.error_feedback.residuals = [r.clone() for r in residuals]
+            log.info("resumed from checkpoint", path=str(path), round=round_)
+            return
 
     def finish(self) -> None:
         """Write the final model, then linger so that slower peers can finish and compare with us."""

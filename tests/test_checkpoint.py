@@ -71,3 +71,33 @@ def test_truncated_or_foreign_files_are_refused(tmp_path):
         checkpoint.load(path)
     with pytest.raises(checkpoint.CheckpointError, match="no such file"):
         checkpoint.load(tmp_path / "missing.safetensors")
+
+
+def test_load_state_restores_round_params_and_momentum(tmp_path):
+    cfg, model, d, path = make(tmp_path)
+    round_, state, residuals = checkpoint.load_state(model, path, cfg.training_hash())
+    assert round_ == 1 and residuals == []
+    fresh = DiLoCo(build_model("gpt-nano", 16, seed=5), lr=0.7, momentum=0.9, nesterov=True)
+    fresh.load_state_tensors(state, round=round_)
+    assert fresh.params_hash() == d.params_hash() and fresh.round == 1
+    assert all(torch.equal(a, b) for a, b in zip(fresh.momentum_buffers(), d.momentum_buffers()))
+
+
+def test_load_state_refuses_another_config(tmp_path):
+    cfg, model, _, path = make(tmp_path)
+    other = cfg.model_copy(deep=True)
+    other.inner.lr = 0.123
+    with pytest.raises(checkpoint.CheckpointError, match="different experiment config"):
+        checkpoint.load_state(model, path, other.training_hash())
+
+
+def test_prune_keeps_the_newest_periodic_checkpoints(tmp_path):
+    for r in range(1, 6):
+        (tmp_path / f"round-{r:06d}.safetensors").write_bytes(b"x")
+    (tmp_path / "final.safetensors").write_bytes(b"x")
+    checkpoint.prune(tmp_path, keep_last=2)
+    assert sorted(f.name for f in tmp_path.iterdir()) == [
+        "final.safetensors",
+        "round-000004.safetensors",
+        "round-000005.safetensors",
+    ]
