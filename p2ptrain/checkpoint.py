@@ -38,14 +38,11 @@ def save(
     path: Path, model: torch.nn.Module, diloco: DiLoCo, cfg: ExperimentConfig, *, peer_id: str = ""
 ) -> None:
     names = param_names(model)
-    with diloco.lock:
-        params = [m.clone() for m in diloco.master]
-        momentum = [b.clone() for b in diloco.momentum_buffers()]
-        round_ = diloco.round
-        residuals = [r.clone() for r in diloco.error_feedback.residuals] if diloco.error_feedback else []
+    snap = diloco.snapshot()
+    params, round_ = snap.params, snap.round
     tensors = {name: t.contiguous() for name, t in zip(names, params)}
-    tensors.update({MOMENTUM_PREFIX + name: t.contiguous() for name, t in zip(names, momentum)})
-    tensors.update({RESIDUAL_PREFIX + name: t.contiguous() for name, t in zip(names, residuals)})
+    tensors.update({MOMENTUM_PREFIX + name: t.contiguous() for name, t in zip(names, snap.momentum)})
+    tensors.update({RESIDUAL_PREFIX + name: t.contiguous() for name, t in zip(names, snap.residuals)})
     metadata = {
         "format": FORMAT,
         "round": str(round_),

@@ -71,10 +71,19 @@ class OuterStepReport:
     bytes_received: int = 0
 
 
+@dataclass
+class Snapshot:
+    round: int
+    params: list[torch.Tensor]
+    momentum: list[torch.Tensor]
+    residuals: list[torch.Tensor]
+    """Error-feedback residuals (empty without error feedback)."""
+
+
 class DiLoCo:
     """The outer optimizer of one peer: master params, outer momentum, pseudo-gradients.
 
-    Thread safety: :meth:`state_tensors` may be called from hivemind's state-sharing thread while the
+    Thread safety: :meth:`snapshot` may be called from hivemind's state-sharing thread while the
     trainer runs :meth:`outer_step`; both hold ``self.lock``, so a newcomer never downloads a
     half-updated state.
     """
@@ -187,10 +196,20 @@ class DiLoCo:
             buffers.append(buf if buf is not None else torch.zeros_like(m))
         return buffers
 
-    def state_tensors(self) -> list[torch.Tensor]:
-        """A consistent snapshot: master params, then outer momentum buffers."""
+    def snapshot(self) -> Snapshot:
+        """A consistent copy of the outer state, safe to take while another thread runs :meth:`outer_step`."""
         with self.lock:
-            return [t.clone() for t in self.master + self.momentum_buffers()]
+            return Snapshot(
+                round=self.round,
+                params=[m.clone() for m in self.master],
+                momentum=[b.clone() for b in self.momentum_buffers()],
+                residuals=[r.clone() for r in self.error_feedback.residuals] if self.error_feedback else [],
+            )
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """Master params, then outer momentum buffers: what :meth:`load_state_tensors` takes."""
+        snap = self.snapshot()
+        return snap.params + snap.momentum
 
     def load_state_tensors(self, tensors: Sequence[torch.Tensor], round: int) -> None:
         """Adopt a state from :meth:`state_tensors` (of a donor peer or a checkpoint) as round ``round``.

@@ -494,15 +494,13 @@ class Trainer:
 
     def _state_for_donation(self) -> tuple[dict, list[torch.Tensor]]:
         """What a newcomer downloads from us: global params, outer momentum, round (a consistent snapshot)."""
-        with self.diloco.lock:
-            tensors = [t.clone() for t in self.diloco.master + self.diloco.momentum_buffers()]
-            round_ = self.diloco.round
-        n = len(self.diloco.master)
+        snap = self.diloco.snapshot()
+        tensors = snap.params + snap.momentum
         metadata = dict(
             run_id=self.cfg.run.run_id,
             config_hash=self.cfg.training_hash(),
-            round=round_,
-            params_hash=tensors_hash(tensors[:n]),
+            round=snap.round,
+            params_hash=tensors_hash(snap.params),
             state_hash=tensors_hash(tensors),
         )
         return metadata, tensors
