@@ -36,6 +36,7 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python -m bench.quality
 	$(BIN)/python -m bench.compression
+	$(BIN)/python -m bench.churn
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

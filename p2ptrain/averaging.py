@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import os
 import signal
 import threading
 import time
@@ -54,6 +55,17 @@ log = get_logger(__name__)
 
 _POLL_S = 0.25
 
+FAILPOINT_ENV = "P2PTRAIN_FAILPOINT"
+
+
+def failpoint_allreduce() -> int | None:
+    """A testing hook: ``P2PTRAIN_FAILPOINT=allreduce:N`` makes this peer die by SIGKILL (main process and
+    averager child) right after it served its first averaged part in its N-th all-reduce, so that some
+    groupmates hold its result and others do not: the worst moment for a crash. Unset in normal use."""
+    value = os.environ.get(FAILPOINT_ENV, "")
+    kind, _, n = value.partition(":")
+    return int(n) if kind == "allreduce" and n.isdigit() else None
+
 
 class _Stopped(Exception):
     pass
@@ -67,7 +79,15 @@ def round_group_bits(round: int) -> str:
 class ExactAllReduceRunner(AllReduceRunner):
     """An AllReduceRunner whose reducers return the averaged part itself, identically to every member."""
 
-    def __init__(self, *, tensors: Sequence[torch.Tensor], peer_fractions, **kwargs):
+    def __init__(
+        self,
+        *,
+        tensors: Sequence[torch.Tensor],
+        peer_fractions,
+        on_part_served: Callable[[], None] | None = None,
+        **kwargs,
+    ):
+        self._on_part_served = on_part_served
         container_kwargs = {
             k: kwargs[k]
             for k in ("compression", "part_size_bytes", "tensor_infos", "prefetch")
@@ -165,6 +185,8 @@ class ExactAllReduceRunner(AllReduceRunner):
                 part_index += 1
                 self.bytes_sent += len(serialized.buffer)
                 yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=serialized)
+                if self._on_part_served is not None:
+                    self._on_part_served()
         finally:
             if part_index != self.tensor_part_reducer.num_parts:
                 await self._ban_sender(self.sender_peer_ids[sender_index])
@@ -178,10 +200,10 @@ class ExactAverager(_ParentWatchdog, DecentralizedAverager):
     """hivemind's DecentralizedAverager with exact all-reduce, byte counts, chosen donors and a watchdog."""
 
     def __init__(self, *args, state_provider: Callable[[], tuple[dict, list[torch.Tensor]]], **kwargs):
-        import os
-
         self._watched_parent_pid = os.getpid()
         self._state_provider = state_provider
+        self._allreduces = 0
+        self._die_in_allreduce = failpoint_allreduce()
         super().__init__(*args, **kwargs)
 
     def run(self) -> None:
@@ -201,7 +223,9 @@ class ExactAverager(_ParentWatchdog, DecentralizedAverager):
 
     async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs):
         group_id = group_info.group_id if group_id is None else group_id
+        self._allreduces += 1
         runner = ExactAllReduceRunner(
+            on_part_served=self._die if self._allreduces == self._die_in_allreduce else None,
             p2p=self._p2p,
             servicer_type=type(self),
             prefix=self.prefix,
@@ -223,6 +247,11 @@ class ExactAverager(_ParentWatchdog, DecentralizedAverager):
             raise AllreduceException(
                 f"a reducer left mid-way; {runner.tensor_part_container.failed_size} values were not averaged"
             )
+
+    def _die(self) -> None:
+        log.warning("failpoint: killing this peer mid-way through an all-reduce", env=FAILPOINT_ENV)
+        os.kill(self._watched_parent_pid, signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGKILL)
 
     def download_state_from(self, peers: Sequence[str], timeout: float) -> tuple[str, Any, list] | None:
         """Download ``get_current_state`` of the first of ``peers`` (base58 ids) that serves it.

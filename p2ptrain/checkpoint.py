@@ -1,6 +1,10 @@
 """Model files: safetensors with the params, the outer momentum and, in the metadata, the resolved
 config and the round, so that ``p2ptrain eval FILE`` needs nothing else.
 
+A peer's own checkpoints also carry what only this peer has: its error-feedback residual, its inner
+AdamW state (moments and step) and its counters, so that a restart continues its inner phase exactly
+as it would have gone on. A checksum over every tensor (``state_hash``) refuses a corrupted file.
+
 Files are written atomically (temporary file, fsync, rename): a crash leaves the previous file, never
 half of a new one.
 """
@@ -10,7 +14,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -23,6 +27,8 @@ from p2ptrain.diloco import DiLoCo, tensors_hash
 FORMAT = "p2ptrain/1"
 MOMENTUM_PREFIX = "outer_momentum."
 RESIDUAL_PREFIX = "error_feedback."
+INNER_PREFIX = "inner_optimizer."
+_STATE_PREFIXES = (MOMENTUM_PREFIX, RESIDUAL_PREFIX, INNER_PREFIX)
 
 
 class CheckpointError(ValueError):
@@ -35,14 +41,34 @@ def param_names(model: torch.nn.Module) -> list[str]:
 
 
 def save(
-    path: Path, model: torch.nn.Module, diloco: DiLoCo, cfg: ExperimentConfig, *, peer_id: str = ""
+    path: Path,
+    model: torch.nn.Module,
+    diloco: DiLoCo,
+    cfg: ExperimentConfig,
+    *,
+    peer_id: str = "",
+    inner_optimizer: torch.optim.Optimizer | None = None,
+    counters: dict[str, int] | None = None,
 ) -> None:
+    """Write the global params, outer momentum, EF residual and (optionally) the inner optimizer's state.
+
+    Args:
+        inner_optimizer: its per-param state is stored by param name (e.g. ``inner_optimizer.wte.weight.exp_avg``).
+        counters: integers to restore on resume (inner steps done, samples done), kept in the metadata.
+    """
     names = param_names(model)
     snap = diloco.snapshot()
     params, round_ = snap.params, snap.round
     tensors = {name: t.contiguous() for name, t in zip(names, params)}
     tensors.update({MOMENTUM_PREFIX + name: t.contiguous() for name, t in zip(names, snap.momentum)})
     tensors.update({RESIDUAL_PREFIX + name: t.contiguous() for name, t in zip(names, snap.residuals)})
+    if inner_optimizer is not None:
+        state = inner_optimizer.state_dict()["state"]  # keyed by the param's index, in names' order
+        for index, per_param in state.items():
+            for key, value in per_param.items():
+                tensors[f"{INNER_PREFIX}{names[index]}.{key}"] = (
+                    torch.as_tensor(value).detach().to("cpu", copy=True).contiguous()
+                )
     metadata = {
         "format": FORMAT,
         "round": str(round_),
@@ -50,6 +76,8 @@ def save(
         "peer_id": peer_id,
         "config_hash": cfg.training_hash(),
         "params_hash": tensors_hash(params),
+        "state_hash": _all_tensors_hash(tensors),
+        "counters": json.dumps(counters or {}),
         "config": json.dumps(cfg.model_dump(mode="json")),
     }
     path = Path(path)
@@ -106,7 +134,7 @@ def load(path: Path) -> LoadedModel:
         config = ExperimentConfig.model_validate(json.loads(metadata["config"]))
     except (ConfigError, ValueError, KeyError) as e:
         raise CheckpointError(f"{path}: its embedded config is invalid: {e}") from None
-    params = {k: v for k, v in tensors.items() if not k.startswith((MOMENTUM_PREFIX, RESIDUAL_PREFIX))}
+    params = {k: v for k, v in tensors.items() if not k.startswith(_STATE_PREFIXES)}
     return LoadedModel(config=config, round=int(metadata["round"]), params=params, metadata=metadata)
 
 
@@ -125,13 +153,31 @@ def load_into(model: torch.nn.Module, loaded: LoadedModel, path: Path | str = ""
             p.copy_(t)
 
 
-def load_state(
-    model: torch.nn.Module, path: Path, config_hash: str
-) -> tuple[int, list[torch.Tensor], list[torch.Tensor]]:
-    """Read a checkpoint's full training state for ``model``: (round, params + outer momentum, residuals).
+@dataclass
+class TrainingState:
+    """Everything a peer needs to continue training from one of its checkpoints."""
+
+    round: int
+    outer: list[torch.Tensor]
+    """Global params, then outer momentum: what :meth:`DiLoCo.load_state_tensors` takes."""
+    residuals: list[torch.Tensor] = field(default_factory=list)
+    """Error-feedback residuals, one per param (empty when the run has no error feedback)."""
+    inner: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
+    """Inner optimizer state by param index, as ``Optimizer.state_dict()["state"]`` holds it."""
+    counters: dict[str, int] = field(default_factory=dict)
+
+    def load_inner_into(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.inner:
+            optimizer.load_state_dict(
+                {"state": self.inner, "param_groups": optimizer.state_dict()["param_groups"]}
+            )
+
+
+def load_state(model: torch.nn.Module, path: Path, config_hash: str) -> TrainingState:
+    """Read a checkpoint's full training state for ``model``.
 
     Raises:
-        CheckpointError: unreadable, of another experiment config, or failing its recorded params hash.
+        CheckpointError: unreadable, of another experiment config, or failing its recorded checksums.
     """
     loaded = load(path)
     if loaded.metadata.get("config_hash") != config_hash:
@@ -149,8 +195,30 @@ def load_state(
     momentum = [tensors[MOMENTUM_PREFIX + n] for n in names]
     if tensors_hash(params) != loaded.metadata.get("params_hash"):
         raise CheckpointError(f"{path}: params do not match their recorded hash (corrupted file?)")
+    if _all_tensors_hash(tensors) != loaded.metadata.get("state_hash"):
+        raise CheckpointError(f"{path}: its tensors do not match their recorded checksum (corrupted file?)")
     residuals = [tensors[RESIDUAL_PREFIX + n] for n in names if RESIDUAL_PREFIX + n in tensors]
-    return loaded.round, params + momentum, residuals if len(residuals) == len(names) else []
+    inner: dict[int, dict[str, torch.Tensor]] = {}
+    for index, name in enumerate(names):
+        prefix = f"{INNER_PREFIX}{name}."
+        per_param = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
+        if per_param:
+            inner[index] = per_param
+    try:
+        counters = {k: int(v) for k, v in json.loads(loaded.metadata.get("counters", "{}")).items()}
+    except (ValueError, TypeError, AttributeError):
+        raise CheckpointError(f"{path}: unreadable counters in its metadata") from None
+    return TrainingState(
+        round=loaded.round,
+        outer=params + momentum,
+        residuals=residuals if len(residuals) == len(names) else [],
+        inner=inner if len(inner) == len(names) else {},
+        counters=counters,
+    )
+
+
+def _all_tensors_hash(tensors: dict[str, torch.Tensor]) -> str:
+    return tensors_hash([tensors[k] for k in sorted(tensors)])
 
 
 def candidates(directory: Path) -> list[Path]:
@@ -169,6 +237,7 @@ def prune(directory: Path, keep_last: int) -> None:
 __all__ = [
     "CheckpointError",
     "LoadedModel",
+    "TrainingState",
     "candidates",
     "load",
     "load_config",

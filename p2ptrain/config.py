@@ -218,6 +218,10 @@ class SwarmConfig(_Section):
     linger_s: float = Field(default=30.0, ge=0.0)
     """After its last round, a peer stays this long at most so that slower peers can finish and check
     their final state against it."""
+    split_warning_s: float = Field(default=120.0, gt=0.0)
+    """Warn in the logs when other peers have seen a different set of live peers than this one, or a round
+    two or more apart, for this long: a sign that the swarm's DHT is split or that peers cannot reach
+    each other."""
 
     @field_validator("initial_peers", "host_maddrs", "announce_maddrs")
     @classmethod
@@ -232,6 +236,9 @@ class SwarmConfig(_Section):
     def _check_ttl(self) -> SwarmConfig:
         if self.record_ttl_s < 2 * self.heartbeat_s:
             raise ValueError("swarm.record_ttl_s must be at least twice swarm.heartbeat_s")
+        if self.split_warning_s <= self.record_ttl_s + 2 * self.heartbeat_s:
+            # Views legitimately differ until a departed peer's record expires and a new one has spread.
+            raise ValueError("swarm.split_warning_s must exceed swarm.record_ttl_s + 2 * swarm.heartbeat_s")
         return self
 
 

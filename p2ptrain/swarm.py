@@ -7,6 +7,12 @@ refreshes it every ``swarm.heartbeat_s`` from a background thread. A record olde
 (the global round, who to wait for, whose state is canonical) is a pure function of the live
 records, in :func:`global_round` and :func:`canonical_hash`.
 
+Each record also carries the peer's *view*: a short hash of the set of live peers it sees. Peers of a
+healthy swarm see the same set within a few heartbeats. :class:`SplitWatch` warns when they have not
+for ``swarm.split_warning_s`` (or their rounds stay two or more apart): the DHT is split, or some
+peers cannot reach others. A complete split, where no peer sees both sides, cannot be noticed from
+inside; ``p2ptrain status`` against each bootstrap node shows it.
+
 Process model: the DHT runs in a forked child, which owns the ``p2pd`` daemon. hivemind leaves
 both running forever if the main process is SIGKILLed; :class:`WatchedDHT` makes the child shut
 itself down (and ``p2pd`` with it) within seconds when its parent disappears.
@@ -15,6 +21,7 @@ itself down (and ``p2pd`` with it) within seconds when its parent disappears.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import signal
 import threading
@@ -82,6 +89,10 @@ class ProgressRecord(BaseModel):
     """cpu, cuda or mps."""
     time: StrictFloat
     """Wall-clock time of the record (seconds since the epoch)."""
+    seen: StrictInt = 0
+    """How many live peers (itself included) this peer sees."""
+    view: StrictStr = ""
+    """Short hash of the sorted ids of the live peers this peer sees (see :class:`SplitWatch`)."""
 
 
 class _ProgressSchema(BaseModel):
@@ -205,6 +216,8 @@ class LocalStatus:
     samples_total: int = 0
     samples_per_s: float = 0.0
     last_group_size: int = 0
+    seen: int = 0
+    view: str = ""
 
 
 class Swarm:
@@ -225,6 +238,8 @@ class Swarm:
         )
         self.peer_id = self.dht.peer_id.to_base58()
         self.status = LocalStatus()
+        self.split_watch = SplitWatch(cfg.split_warning_s)
+        self._watch_lock = threading.Lock()
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._wake = threading.Event()
@@ -246,6 +261,7 @@ class Swarm:
         while not self._stop.is_set():
             try:
                 self.publish()
+                self.peers()  # keeps our view fresh (and the split watch running) between the trainer's reads
             except Exception as e:  # a failed store is retried next beat; the record just ages meanwhile
                 log.warning("progress record not stored", error=repr(e))
             self._wake.wait(self.heartbeat_s)
@@ -275,6 +291,8 @@ class Swarm:
             last_group_size=s.last_group_size,
             device=self.device,
             time=time.time(),
+            seen=s.seen,
+            view=s.view,
         )
         with self._lock:
             self.dht.store(
@@ -288,7 +306,18 @@ class Swarm:
         """Live peers' records by peer id (this peer's own included once published; peers that left excluded)."""
         with self._lock:
             found = self.dht.get(self.progress_key, latest=True)
-        return {pid: r for pid, r in records_from_dht_value(found).items() if r.state != "left"}
+        live = {pid: r for pid, r in records_from_dht_value(found).items() if r.state != "left"}
+        self.status.seen = len(live.keys() | {self.peer_id})
+        self.status.view = view_hash(live.keys() | {self.peer_id})
+        with self._watch_lock:  # read by the heartbeat thread and the trainer
+            warning = self.split_watch.observe(time.monotonic(), self.peer_id, self.status.round, live)
+        if warning is not None:
+            log.warning(
+                "the swarm may be split: peers see different swarms. Check that every peer uses the same "
+                "--initial-peers and that they can reach each other (firewall, NAT: see docs/deploy.md)",
+                **warning,
+            )
+        return live
 
     def shutdown(self) -> None:
         """Say goodbye (a 'left' record, so nobody waits for us or asks us for state), then stop the DHT."""
@@ -320,6 +349,52 @@ def records_from_dht_value(found) -> dict[str, ProgressRecord]:
         if previous is None or record.time > previous.time:
             records[record.peer_id] = record
     return records
+
+
+def view_hash(peer_ids) -> str:
+    """A short hash of a set of peer ids: equal on peers that see the same live peers."""
+    return hashlib.sha256("\n".join(sorted(peer_ids)).encode()).hexdigest()[:12]
+
+
+class SplitWatch:
+    """Notices when this peer and others keep seeing the swarm differently.
+
+    A peer disagrees with us when its view (the set of live peers it sees) differs from ours, or its round
+    is two or more from ours (peers of one swarm are at most one round apart, except while one catches up).
+    Short disagreements are normal (a peer joins or leaves and records take a few heartbeats to spread);
+    :meth:`observe` reports only those that last ``after_s``, at most once per ``after_s``.
+    """
+
+    def __init__(self, after_s: float):
+        self.after_s = after_s
+        self._since: dict[str, float] = {}  # peer id -> when we first saw it disagree (continuously since)
+        self._last_warning = -float("inf")
+
+    def observe(
+        self, now: float, me: str, my_round: int, records: dict[str, ProgressRecord]
+    ) -> dict[str, Any] | None:
+        """Feed one reading of the live records; returns the warning's fields when one is due."""
+        mine = view_hash(records.keys() | {me})
+        disagreeing = {}
+        for pid, r in records.items():
+            if pid == me or r.state == "loading":
+                continue
+            other_view = bool(r.view) and r.view != mine
+            far_round = abs(r.round - my_round) >= 2 and r.state != "done"
+            if other_view or far_round:
+                disagreeing[pid] = r
+        self._since = {pid: self._since.get(pid, now) for pid in disagreeing}
+        lasting = [pid for pid, t in self._since.items() if now - t >= self.after_s]
+        if not lasting or now - self._last_warning < self.after_s:
+            return None
+        self._last_warning = now
+        return {
+            "for_s": round(max(now - self._since[pid] for pid in lasting), 1),
+            "we_see": len(records.keys() | {me}),
+            "our_round": my_round,
+            "they_see": {pid[-8:]: disagreeing[pid].seen for pid in lasting},
+            "their_rounds": {pid[-8:]: disagreeing[pid].round for pid in lasting},
+        }
 
 
 def global_round(records: dict[str, ProgressRecord]) -> int:

@@ -404,21 +404,30 @@ class Trainer:
         """
         for path in checkpoint.candidates(self.checkpoint_dir):
             try:
-                round_, state, residuals = checkpoint.load_state(self.model, path, self.cfg.training_hash())
-                self.diloco.load_state_tensors(state, round=round_)
+                state = checkpoint.load_state(self.model, path, self.cfg.training_hash())
+                self.diloco.load_state_tensors(state.outer, round=state.round)
+                state.load_inner_into(self.inner_opt)
             except (checkpoint.CheckpointError, ValueError) as e:
                 log.warning("refused a checkpoint", path=str(path), reason=str(e))
                 continue
-            if residuals and self.diloco.error_feedback is not None:
-                self.diloco.error_feedback.residuals = [r.clone() for r in residuals]
-            log.info("resumed from checkpoint", path=str(path), round=round_)
+            if state.residuals and self.diloco.error_feedback is not None:
+                self.diloco.error_feedback.residuals = [r.clone() for r in state.residuals]
+            self.inner_steps_total = state.counters.get("inner_steps_total", 0)
+            self.samples_total = state.counters.get("samples_total", 0)
+            log.info(
+                "resumed from checkpoint",
+                path=str(path),
+                round=state.round,
+                inner_optimizer=bool(state.inner),
+                inner_steps_total=self.inner_steps_total,
+            )
             return
 
     def finish(self) -> None:
         """Write the final model, then linger so that slower peers can finish and compare with us."""
         assert self.swarm is not None
         self.final_path = self.checkpoint_dir / "final.safetensors"
-        self.save(self.final_path)
+        self.save(self.final_path, final=True)
         self.swarm.update(state="done", params_hash=self.diloco.params_hash())
         deadline = time.monotonic() + self.cfg.swarm.linger_s
         while time.monotonic() < deadline and not self.stop.is_set():
@@ -431,7 +440,7 @@ class Trainer:
                     "final params differ from the swarm's; adopting them", ours=self.diloco.params_hash()
                 )
                 if self.load_state_from(donors, rebase=False, expect_round=self.round):
-                    self.save(self.final_path)
+                    self.save(self.final_path, final=True)
                     self.swarm.update(params_hash=self.diloco.params_hash())
             if all(r.state == "done" for r in others.values()):
                 break
@@ -555,8 +564,17 @@ class Trainer:
         """Validation loss of the current global params (the model holds them right after a sync)."""
         return evaluate(self.model, self.corpus, self.cfg, self.device)["val_loss"]
 
-    def save(self, path: Path) -> None:
-        checkpoint.save(path, self.model, self.diloco, self.cfg, peer_id=self.peer_id)
+    def save(self, path: Path, *, final: bool = False) -> None:
+        """Checkpoint; a final model file leaves out the inner optimizer (2x the params, useless after the end)."""
+        checkpoint.save(
+            path,
+            self.model,
+            self.diloco,
+            self.cfg,
+            peer_id=self.peer_id,
+            inner_optimizer=None if final else self.inner_opt,
+            counters={"inner_steps_total": self.inner_steps_total, "samples_total": self.samples_total},
+        )
 
 
 @torch.no_grad()

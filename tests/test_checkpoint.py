@@ -1,3 +1,5 @@
+import json
+
 import pytest
 import torch
 
@@ -75,12 +77,65 @@ def test_truncated_or_foreign_files_are_refused(tmp_path):
 
 def test_load_state_restores_round_params_and_momentum(tmp_path):
     cfg, model, d, path = make(tmp_path)
-    round_, state, residuals = checkpoint.load_state(model, path, cfg.training_hash())
-    assert round_ == 1 and residuals == []
+    state = checkpoint.load_state(model, path, cfg.training_hash())
+    assert state.round == 1 and state.residuals == [] and state.inner == {}
     fresh = DiLoCo(build_model("gpt-nano", 16, seed=5), lr=0.7, momentum=0.9, nesterov=True)
-    fresh.load_state_tensors(state, round=round_)
+    fresh.load_state_tensors(state.outer, round=state.round)
     assert fresh.params_hash() == d.params_hash() and fresh.round == 1
     assert all(torch.equal(a, b) for a, b in zip(fresh.momentum_buffers(), d.momentum_buffers()))
+
+
+def _inner_steps(model, opt, n, seed):
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(n):
+        x = torch.randint(0, 256, (2, 16), generator=gen)
+        loss = model(x).float().logsumexp(-1).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def test_inner_optimizer_state_and_counters_resume_exactly(tmp_path):
+    """Continuing after a restart gives the very params that continuing without one gives."""
+    cfg = ExperimentConfig()
+    model = build_model("gpt-nano", 16)
+    d = DiLoCo(model, lr=0.7, momentum=0.9, nesterov=True)
+    opt = torch.optim.AdamW(d.model_params, lr=1e-3)
+    _inner_steps(model, opt, 3, seed=0)
+    d.sync(None, weight=1, round=0)
+    path = tmp_path / "m.safetensors"
+    checkpoint.save(path, model, d, cfg, inner_optimizer=opt, counters={"inner_steps_total": 3})
+
+    restored = build_model("gpt-nano", 16, seed=9)
+    d2 = DiLoCo(restored, lr=0.7, momentum=0.9, nesterov=True)
+    opt2 = torch.optim.AdamW(d2.model_params, lr=1e-3)
+    state = checkpoint.load_state(restored, path, cfg.training_hash())
+    d2.load_state_tensors(state.outer, round=state.round)
+    state.load_inner_into(opt2)
+    assert state.counters == {"inner_steps_total": 3}
+
+    _inner_steps(model, opt, 2, seed=1)
+    _inner_steps(restored, opt2, 2, seed=1)
+    for a, b in zip(model.parameters(), restored.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_corrupted_optimizer_state_is_refused(tmp_path):
+    cfg = ExperimentConfig()
+    model = build_model("gpt-nano", 16)
+    d = DiLoCo(model, lr=0.7, momentum=0.9, nesterov=True)
+    opt = torch.optim.AdamW(d.model_params, lr=1e-3)
+    _inner_steps(model, opt, 1, seed=0)
+    path = tmp_path / "m.safetensors"
+    checkpoint.save(path, model, d, cfg, inner_optimizer=opt)
+    raw = bytearray(path.read_bytes())
+    header_len = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + header_len])
+    name = next(k for k in header if k.startswith(checkpoint.INNER_PREFIX) and k.endswith("exp_avg"))
+    raw[8 + header_len + header[name]["data_offsets"][0]] ^= 0xFF  # flip bits of one AdamW moment
+    path.write_bytes(bytes(raw))
+    with pytest.raises(checkpoint.CheckpointError, match="checksum"):
+        checkpoint.load_state(model, path, cfg.training_hash())
 
 
 def test_load_state_refuses_another_config(tmp_path):

@@ -2,11 +2,20 @@ import time
 
 import pytest
 
-from p2ptrain.swarm import ProgressRecord, canonical_hash, global_round, parse_multiaddr
+from p2ptrain.swarm import (
+    ProgressRecord,
+    SplitWatch,
+    canonical_hash,
+    global_round,
+    parse_multiaddr,
+    view_hash,
+)
 
 
-def rec(peer, round=0, state="training", h="aa", group=2):
+def rec(peer, round=0, state="training", h="aa", group=2, view=""):
     return ProgressRecord(
+        view=view,
+        seen=0,
         peer_id=peer,
         round=round,
         state=state,
@@ -42,3 +51,42 @@ def test_canonical_hash_majority_then_group_then_smallest():
     assert canonical_hash([rec("a", h="bb", group=3), rec("b", h="aa", group=1)]) == "bb"
     assert canonical_hash([rec("a", h="bb"), rec("b", h="aa")]) == "aa"
     assert canonical_hash([]) is None
+
+
+def test_split_watch_quiet_while_views_agree_or_differ_briefly():
+    watch = SplitWatch(after_s=60)
+    ids = {"a", "b", "c"}
+    agree = {p: rec(p, view=view_hash(ids)) for p in ids}
+    assert all(watch.observe(t, "a", 0, agree) is None for t in range(0, 300, 5))
+    # c joined; b has not seen it yet for 30 s, then does: normal, no warning.
+    stale_b = {**agree, "b": rec("b", view=view_hash({"a", "b"}))}
+    assert all(watch.observe(t, "a", 0, stale_b) is None for t in range(300, 330, 5))
+    assert watch.observe(330, "a", 0, agree) is None
+    assert watch.observe(400, "a", 0, stale_b) is None  # a new disagreement starts its own clock
+
+
+def test_split_watch_warns_when_a_peer_sees_another_swarm_for_too_long():
+    watch = SplitWatch(after_s=60)
+    ours = {"a", "b", "c"}
+    records = {
+        "a": rec("a", 4, view=view_hash(ours)),
+        "b": rec("b", 4, view=view_hash(ours)),
+        "c": rec("c", 4, view=view_hash({"c", "x", "y"})),  # c also sees x and y, which we never see
+    }
+    warnings = [watch.observe(t, "a", 4, records) for t in range(0, 150, 5)]
+    fired = [w for w in warnings if w is not None]
+    assert len(fired) == 2, "once when it has lasted 60 s, then at most once per 60 s"
+    assert fired[0]["they_see"] == {"c": 0} and fired[0]["we_see"] == 3 and fired[0]["for_s"] == 60
+
+
+def test_split_watch_warns_on_rounds_far_apart_but_not_one_apart():
+    watch = SplitWatch(after_s=30)
+    ids = {"a", "b"}
+    one_apart = {"a": rec("a", 5, view=view_hash(ids)), "b": rec("b", 6, view=view_hash(ids))}
+    assert all(watch.observe(t, "a", 5, one_apart) is None for t in range(0, 100, 5))
+    far = {**one_apart, "b": rec("b", 8, view=view_hash(ids))}
+    assert [w for w in (watch.observe(t, "a", 5, far) for t in range(100, 140, 5)) if w][0][
+        "their_rounds"
+    ] == {"b": 8}
+    loading = {**one_apart, "b": rec("b", 0, state="loading", view=view_hash(ids))}
+    assert all(watch.observe(t, "a", 5, loading) is None for t in range(200, 300, 5))

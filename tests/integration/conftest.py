@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -27,6 +28,23 @@ def processes_named(name: str) -> set[int]:
             except OSError:
                 continue
     return pids
+
+
+def children_of(pid: int) -> set[int]:
+    """All descendants of ``pid`` (children, grandchildren, ...) alive now."""
+    found, frontier = set(), {pid}
+    while frontier:
+        parent = frontier.pop()
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    stat = Path(f"/proc/{entry}/stat").read_text().split(")")[-1].split()
+                except OSError:
+                    continue
+                if int(stat[1]) == parent and int(entry) not in found:
+                    found.add(int(entry))
+                    frontier.add(int(entry))
+    return found
 
 
 def wait_until_gone(pids: set[int], timeout_s: float) -> set[int]:
@@ -60,7 +78,7 @@ def no_leftover_p2pd():
 class PeerProcess:
     """A `p2ptrain` subprocess whose stdout we can search; always stopped at teardown."""
 
-    def __init__(self, args: list[str], log_path: Path):
+    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None):
         self.log_path = log_path
         self._log = open(log_path, "w")
         self._out_path = log_path.with_suffix(".out")
@@ -69,8 +87,9 @@ class PeerProcess:
             [sys.executable, "-m", "p2ptrain", *args],
             stdout=self._out,
             stderr=self._log,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
         )
+        self.descendants: set[int] = set()
 
     def stdout(self) -> str:
         return self._out_path.read_text()
@@ -86,6 +105,18 @@ class PeerProcess:
             )
             time.sleep(0.1)
         raise AssertionError(f"no multiaddr printed: {self.log_path.read_text()[-2000:]}")
+
+    def events(self) -> list[dict]:
+        """The JSON log lines written so far."""
+        return [json.loads(line) for line in self.log_path.read_text().splitlines() if line.startswith("{")]
+
+    def outer_steps(self) -> list[dict]:
+        return [e for e in self.events() if e.get("event") == "outer step"]
+
+    def remember_descendants(self) -> set[int]:
+        """Record the DHT child, averager child and p2pd now, to check later that none outlive us."""
+        self.descendants |= children_of(self.proc.pid)
+        return self.descendants
 
     def wait(self, timeout_s: float) -> int:
         try:
@@ -111,8 +142,8 @@ class PeerProcess:
 def spawn(tmp_path):
     started: list[PeerProcess] = []
 
-    def _spawn(*args: str, name: str | None = None) -> PeerProcess:
-        p = PeerProcess(list(args), tmp_path / f"{name or f'proc{len(started)}'}.log")
+    def _spawn(*args: str, name: str | None = None, env: dict[str, str] | None = None) -> PeerProcess:
+        p = PeerProcess(list(args), tmp_path / f"{name or f'proc{len(started)}'}.log", env=env)
         started.append(p)
         return p
 

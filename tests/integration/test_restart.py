@@ -45,6 +45,8 @@ def test_restart_resumes_from_its_own_checkpoint_and_refuses_a_corrupted_one(tmp
     second = spawn(*args, name="second")
     resumed = wait_for(second, lambda e: e.get("event") == "resumed from checkpoint")
     assert resumed[0]["round"] == stopped_at and resumed[0]["path"] == str(saved)
+    # its own inner AdamW moments and step counters come back too (warmup is not redone)
+    assert resumed[0]["inner_optimizer"] is True and resumed[0]["inner_steps_total"] >= 5 * stopped_at
     refused = [e for e in events(second.log_path) if e.get("event") == "refused a checkpoint"]
     assert [e["path"] for e in refused] == [str(corrupted)]
     step = wait_for(second, lambda e: e.get("event") == "outer step")

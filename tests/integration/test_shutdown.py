@@ -3,32 +3,15 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import time
 import uuid
 
 import pytest
 
-from tests.integration.conftest import join_args, processes_named, wait_until_gone
+from tests.integration.conftest import children_of, join_args, processes_named, wait_until_gone
 
 pytestmark = pytest.mark.integration
-
-
-def children_of(pid: int) -> set[int]:
-    found, frontier = set(), {pid}
-    while frontier:
-        parent = frontier.pop()
-        for entry in os.listdir("/proc"):
-            if entry.isdigit():
-                try:
-                    stat = open(f"/proc/{entry}/stat").read().split(")")[-1].split()
-                except OSError:
-                    continue
-                if int(stat[1]) == parent and int(entry) not in found:
-                    found.add(int(entry))
-                    frontier.add(int(entry))
-    return found
 
 
 def start_training_peer(tmp_path, spawn):
