@@ -48,7 +48,7 @@ from hivemind.utils.asyncio import (
 from p2ptrain.compression import deserialize, make_codec
 from p2ptrain.config import AveragingConfig
 from p2ptrain.diloco import AverageResult, AveragingFailed
-from p2ptrain.logs import get_logger
+from p2ptrain.logs import get_logger, unbind
 from p2ptrain.swarm import _ParentWatchdog
 
 log = get_logger(__name__)
@@ -208,6 +208,12 @@ class ExactAverager(_ParentWatchdog, DecentralizedAverager):
 
     def run(self) -> None:
         self._start_parent_watchdog(lambda: self._outer_pipe.send(("_shutdown", [self.shutdown_timeout], {})))
+        # If the parent created torch's thread pool before forking us (torch.set_num_threads does), the first
+        # use in this child replaces the inherited pool, and two threads doing that at once race: one sees
+        # no pool and fails with "Invalid thread pool!", silently stalling that all-reduce until groupmates
+        # time us out. Replace it here, once, before any worker thread exists.
+        torch.set_num_threads(torch.get_num_threads())
+        unbind("round")  # inherited at fork time; this process does not follow the trainer's rounds
         super().run()
 
     def get_current_state(self):

@@ -38,6 +38,10 @@ SetOpt = Annotated[
 MaddrsOpt = Annotated[list[str] | None, typer.Option(help="Multiaddr (repeatable, or comma-separated).")]
 LogLevelOpt = Annotated[str | None, typer.Option(help="debug | info | warning | error.")]
 LogFormatOpt = Annotated[str | None, typer.Option(help="auto | json | console.")]
+MetricsPortOpt = Annotated[
+    int | None, typer.Option(help="Serve Prometheus metrics on this port at /metrics (metrics.port).")
+]
+RunIdOpt = Annotated[str | None, typer.Option(help="The run to watch (run.run_id).")]
 
 
 def fail(message: str, code: int) -> typer.Exit:
@@ -108,6 +112,7 @@ def join(
     set_: SetOpt = None,
     log_level: LogLevelOpt = None,
     log_format: LogFormatOpt = None,
+    metrics_port: MetricsPortOpt = None,
 ) -> None:
     """Train with the swarm. Without --initial-peers, start a new swarm and print the address others join."""
     cfg = resolve(
@@ -118,6 +123,7 @@ def join(
             "device": dict(kind=device),
             "outer": dict(num_rounds=rounds),
             "log": dict(level=log_level, format=log_format),
+            "metrics": dict(port=metrics_port),
         },
     )
     from p2ptrain import logs
@@ -131,7 +137,7 @@ def join(
     logs.get_logger("p2ptrain.cli").info("config", **cfg.model_dump(mode="json"))
 
     def announce(maddrs: list[str]) -> None:
-        if not cfg.swarm.initial_peers:
+        if not (cfg.swarm.initial_peers or cfg.swarm.initial_peers_file):
             typer.echo("Started a new swarm. Others join it with:")
         else:
             typer.echo("Joined the swarm. Others can also join through this peer:")
@@ -156,40 +162,111 @@ def dht(
     host_maddrs: MaddrsOpt = None,
     announce_maddrs: MaddrsOpt = None,
     identity_path: Annotated[Path | None, typer.Option(help="Private key file: a stable peer id.")] = None,
+    run_id: RunIdOpt = None,
+    metrics_port: MetricsPortOpt = None,
+    maddrs_file: Annotated[
+        Path | None,
+        typer.Option(help="Write this node's multiaddrs here (peers read it: swarm.initial_peers_file)."),
+    ] = None,
+    config: ConfigOpt = None,
     set_: SetOpt = None,
     log_level: LogLevelOpt = None,
     log_format: LogFormatOpt = None,
 ) -> None:
-    """Run a long-lived bootstrap node that does not train. Peers pass its address as --initial-peers."""
+    """Run a long-lived bootstrap node that does not train. Peers pass its address as --initial-peers.
+
+    It validates and stores the run's records like any peer; with --metrics-port it also exports the
+    swarm-wide gauges (peers alive, swarm round, samples per second) read from them.
+    """
     cfg = resolve(
-        None,
+        config,
         set_,
         {
+            "run": dict(run_id=run_id),
             "swarm": swarm_flags(initial_peers, host_maddrs, announce_maddrs, identity_path),
             "log": dict(level=log_level, format=log_format),
+            "metrics": dict(port=metrics_port),
         },
     )
-    from p2ptrain import logs
-    from p2ptrain.swarm import SwarmError, create_dht
+    from p2ptrain import logs, telemetry
+    from p2ptrain.swarm import SwarmError, create_dht, live_records, progress_validators, write_maddrs_file
 
-    logs.configure(cfg.log.level, cfg.log.format)
+    logs.configure(cfg.log.level, cfg.log.format, run_id=cfg.run.run_id)
     stop = threading.Event()
     install_stop_handlers(stop)
     try:
-        node = create_dht(cfg.swarm)
+        node = create_dht(cfg.swarm, record_validators=progress_validators(cfg.run.run_id))
     except SwarmError as e:
         raise fail(str(e), EXIT_RUNTIME) from None
+    monitor = None
     try:
         typer.echo("DHT node running. Peers join with:")
-        for maddr in node.get_visible_maddrs():
+        maddrs = [str(m) for m in node.get_visible_maddrs()]
+        for maddr in maddrs:
             typer.echo(f"  p2ptrain join --initial-peers {maddr}")
         sys.stdout.flush()
+        if maddrs_file is not None:
+            write_maddrs_file(maddrs_file, maddrs)
+        if cfg.metrics.port:
+            telemetry.serve(cfg.metrics.port, cfg.metrics.host)
+            telemetry.set_peer_info(peer_id=node.peer_id.to_base58(), run_id=cfg.run.run_id, device="none")
+            monitor = telemetry.SwarmMonitor(
+                lambda: live_records(node, cfg.run.run_id), cfg.metrics.swarm_period_s
+            )
+            monitor.start()
+            logs.get_logger("p2ptrain.cli").info(
+                "serving metrics", port=cfg.metrics.port, host=cfg.metrics.host, watching=cfg.run.run_id
+            )
         while not stop.wait(1.0):
             if not node.is_alive():
                 raise fail("the DHT process died", EXIT_RUNTIME)
     finally:
+        if monitor is not None:
+            monitor.stop()
         if node.is_alive():
             node.shutdown()
+
+
+@app.command()
+def status(
+    initial_peers: MaddrsOpt = None,
+    run_id: RunIdOpt = None,
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON (for scripts).")] = False,
+) -> None:
+    """Show the swarm: each live peer's state, device, round, throughput and contribution; the global round."""
+    cfg = resolve(
+        config,
+        set_,
+        {
+            "run": dict(run_id=run_id),
+            # A reader: it accepts no connections and listens on loopback only.
+            "swarm": dict(
+                initial_peers=_split(initial_peers), client_mode=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"]
+            ),
+            "log": dict(level="error"),
+        },
+    )
+    if not (cfg.swarm.initial_peers or cfg.swarm.initial_peers_file):
+        raise fail(
+            "--initial-peers is required: the address of any peer or DHT node of the swarm", EXIT_USAGE
+        )
+    from p2ptrain import logs
+    from p2ptrain.status import render, summarize
+    from p2ptrain.swarm import SwarmError, create_dht, live_records, progress_validators
+
+    logs.configure("error", "json" if as_json else cfg.log.format)
+    try:
+        node = create_dht(cfg.swarm, record_validators=progress_validators(cfg.run.run_id))
+    except SwarmError as e:
+        raise fail(str(e), EXIT_RUNTIME) from None
+    try:
+        records = live_records(node, cfg.run.run_id)
+    finally:
+        node.shutdown()
+    summary = summarize(cfg.run.run_id, records)
+    typer.echo(json.dumps(summary) if as_json else render(summary))
 
 
 @app.command()
@@ -219,40 +296,56 @@ def demo(
 
 @app.command("eval")
 def eval_(
-    checkpoint_path: Annotated[
-        Path, typer.Argument(metavar="CHECKPOINT", help="A model file from join or demo.")
+    checkpoint_paths: Annotated[
+        list[Path], typer.Argument(metavar="CHECKPOINT...", help="Model files from join or demo.")
     ],
-    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object per file.")] = False,
+    plot: Annotated[
+        Path | None,
+        typer.Option(help="Write a PNG of validation loss against round, one line per peer."),
+    ] = None,
 ) -> None:
-    """Report validation loss, perplexity and next-byte accuracy of a model file."""
-    from p2ptrain.checkpoint import CheckpointError
+    """Report validation loss, perplexity and next-byte accuracy of model files."""
+    import torch
+
+    from p2ptrain.checkpoint import CheckpointError, load_into
     from p2ptrain.checkpoint import load as load_checkpoint
     from p2ptrain.data import Corpus, load_corpus
     from p2ptrain.models import build_model
     from p2ptrain.trainer import evaluate
 
-    try:
-        loaded = load_checkpoint(checkpoint_path)
-        cfg = loaded.config
-        model = build_model(cfg.model.name, cfg.model.context_length)
-        from p2ptrain.checkpoint import load_into
+    series: dict[str, list[tuple[int, float]]] = {}
+    corpora: dict[str, Corpus] = {}
+    for path in checkpoint_paths:
+        try:
+            loaded = load_checkpoint(path)
+            cfg = loaded.config
+            model = build_model(cfg.model.name, cfg.model.context_length)
+            load_into(model, loaded, path)
+            key = cfg.data.model_dump_json() + str(cfg.model.context_length)
+            if key not in corpora:
+                corpora[key] = Corpus.from_bytes(
+                    load_corpus(cfg.data), cfg.model.context_length, cfg.data.val_fraction
+                )
+        except (CheckpointError, OSError) as e:
+            raise fail(str(e), EXIT_RUNTIME) from None
+        metrics = evaluate(model, corpora[key], cfg, torch.device("cpu"))
+        result = {"checkpoint": str(path), "round": loaded.round, "run_id": cfg.run.run_id, **metrics}
+        peer = loaded.metadata.get("peer_id", "")[-8:] or path.parent.name
+        series.setdefault(peer, []).append((loaded.round, metrics["val_loss"]))
+        if as_json:
+            typer.echo(json.dumps(result))
+        else:
+            typer.echo(
+                f"{path}: round {loaded.round}, val_loss {metrics['val_loss']:.4f}, "
+                f"perplexity {metrics['perplexity']:.2f}, accuracy {metrics['accuracy']:.3f} "
+                f"({metrics['tokens']} tokens)"
+            )
+    if plot is not None:
+        from p2ptrain.plots import plot_loss
 
-        load_into(model, loaded, checkpoint_path)
-        corpus = Corpus.from_bytes(load_corpus(cfg.data), cfg.model.context_length, cfg.data.val_fraction)
-    except (CheckpointError, OSError) as e:
-        raise fail(str(e), EXIT_RUNTIME) from None
-    import torch
-
-    metrics = evaluate(model, corpus, cfg, torch.device("cpu"))
-    result = {"checkpoint": str(checkpoint_path), "round": loaded.round, "run_id": cfg.run.run_id, **metrics}
-    if as_json:
-        typer.echo(json.dumps(result))
-    else:
-        typer.echo(
-            f"{checkpoint_path}: round {loaded.round}, val_loss {metrics['val_loss']:.4f}, "
-            f"perplexity {metrics['perplexity']:.2f}, accuracy {metrics['accuracy']:.3f} "
-            f"({metrics['tokens']} tokens)"
-        )
+        plot_loss(series, plot, title="validation loss by round")
+        typer.echo(f"Plot written to {plot}", err=as_json)
 
 
 @config_app.command("show")

@@ -185,6 +185,9 @@ class SwarmConfig(_Section):
     initial_peers: list[str] = []
     """Multiaddrs of peers already in the swarm, e.g. /ip4/203.0.113.5/tcp/31337/p2p/12D3Koo...
     Empty: start a new swarm."""
+    initial_peers_file: Path | None = None
+    """Also read initial peers from this file (one multiaddr per line), waiting up to
+    swarm.bootstrap_timeout_s for it to appear: `p2ptrain dht --maddrs-file` writes it (docker-compose)."""
     host_maddrs: list[str] = ["/ip4/0.0.0.0/tcp/0"]
     """Addresses to listen on. The default listens on all interfaces at a random port; pin a port
     (e.g. /ip4/0.0.0.0/tcp/31337) to open it in a firewall."""
@@ -271,6 +274,15 @@ class LogConfig(_Section):
     """'auto': readable lines on a terminal, JSON lines otherwise."""
 
 
+class MetricsConfig(_Section):
+    port: int | None = Field(default=None, ge=1, le=65535)
+    """Serve Prometheus metrics at http://HOST:PORT/metrics (flag: --metrics-port). None: no metrics server."""
+    host: str = "0.0.0.0"
+    """Address the metrics server listens on (127.0.0.1: this machine only)."""
+    swarm_period_s: float = Field(default=10.0, gt=0.0)
+    """How often `p2ptrain dht --metrics-port` reads the peers' records for the swarm-wide gauges."""
+
+
 class ExperimentConfig(BaseSettings):
     """A p2ptrain experiment. All peers of a run should share every section except swarm, device and log."""
 
@@ -302,6 +314,8 @@ class ExperimentConfig(BaseSettings):
     """Checkpoints and the final model."""
     log: LogConfig = LogConfig()
     """Logging."""
+    metrics: MetricsConfig = MetricsConfig()
+    """Prometheus metrics (docs/deploy.md#monitoring)."""
 
     @classmethod
     def settings_customise_sources(

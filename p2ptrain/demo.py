@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from p2ptrain.config import ExperimentConfig
+from p2ptrain.plots import plot_loss
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 
@@ -212,6 +213,19 @@ def run_demo(
             }
         )
 
+    plot_path = plot_loss(
+        {
+            f"peer {p.index}": [
+                (int(e["round"]) + 1, float(e["val_loss"]))
+                for e in p.events
+                if e.get("event") == "outer step"
+            ]
+            for p in procs
+        },
+        workdir / "val_loss.png",
+        title=f"p2ptrain demo: {peers} peers, {cfg.model.name}, validation loss after each round",
+        baseline=initial_val_loss,
+    )
     final_losses = [p["val_loss"] for p in per_peer]
     hashes = [p["sha256"] for p in per_peer]
     samples_total = sum(
@@ -234,6 +248,7 @@ def run_demo(
         "bytes_sent_per_peer": [p["bytes_sent"] for p in per_peer],
         "bytes_sent_per_round": [p["bytes_sent_per_round"] for p in per_peer],
         "wall_s": round(time.monotonic() - t0, 1),
+        "plot": str(plot_path),
     }
     _print_summary(summary, per_peer)
     return summary
@@ -271,3 +286,4 @@ def _print_summary(summary: dict, per_peer: list[dict]) -> None:
         f"(worst peer), {summary['samples_total']} samples, {summary['wall_s']}s"
     )
     print("all peers hold identical params" if summary["params_identical"] else "PEERS DISAGREE ON PARAMS")
+    print(f"validation loss per round: {summary['plot']}")

@@ -12,6 +12,10 @@ from typing import Any
 
 import structlog
 
+# Context bound to every line of this process, from any thread (hivemind's threads and the heartbeat
+# included): contextvars would not reach threads started before the value was bound.
+_BOUND: dict[str, Any] = {}
+
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
 
 
@@ -30,7 +34,7 @@ def configure(level: str = "info", fmt: str = "auto", **bound: Any) -> None:
     if fmt == "auto":
         fmt = "console" if sys.stderr.isatty() else "json"
     shared: list[Any] = [
-        structlog.contextvars.merge_contextvars,
+        _add_bound,
         structlog.stdlib.add_log_level,
         structlog.stdlib.add_logger_name,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
@@ -40,7 +44,7 @@ def configure(level: str = "info", fmt: str = "auto", **bound: Any) -> None:
         if fmt == "json"
         else structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
     )
-    handler = logging.StreamHandler(sys.stderr)
+    handler = logging.StreamHandler(_CurrentStderr())
     handler.setFormatter(
         structlog.stdlib.ProcessorFormatter(
             foreign_pre_chain=shared,
@@ -67,9 +71,32 @@ def configure(level: str = "info", fmt: str = "auto", **bound: Any) -> None:
         wrapper_class=structlog.stdlib.BoundLogger,
         cache_logger_on_first_use=True,
     )
-    structlog.contextvars.clear_contextvars()
-    structlog.contextvars.bind_contextvars(**bound)
+    _BOUND.clear()
+    _BOUND.update(bound)
+
+
+class _CurrentStderr:
+    """Whatever sys.stderr is at the time of writing, so that a progress bar that redirects it keeps log
+    lines above itself instead of tearing through it."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
+def _add_bound(_logger: Any, _method: str, event_dict: dict[str, Any]) -> dict[str, Any]:
+    for key, value in _BOUND.items():
+        event_dict.setdefault(key, value)  # a value passed to the call itself wins
+    return event_dict
 
 
 def bind(**values: Any) -> None:
-    structlog.contextvars.bind_contextvars(**values)
+    """Add context to every following line of this process (run_id, peer_id, round)."""
+    _BOUND.update(values)
+
+
+def unbind(*keys: str) -> None:
+    for key in keys:
+        _BOUND.pop(key, None)

@@ -29,6 +29,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 import hivemind
@@ -40,6 +41,7 @@ from hivemind.utils.timed_storage import get_dht_time
 # hivemind's SchemaValidator speaks pydantic v1; the DHT record models use its compatibility module.
 from pydantic.v1 import BaseModel, StrictFloat, StrictInt, StrictStr
 
+from p2ptrain import telemetry
 from p2ptrain.config import SwarmConfig
 from p2ptrain.logs import get_logger
 
@@ -159,7 +161,7 @@ class WatchedDHT(_ParentWatchdog, hivemind.DHT):
 def create_dht(cfg: SwarmConfig, record_validators: Sequence = ()) -> WatchedDHT:
     """Start a DHT (and its p2pd) and join the swarm, or raise :class:`SwarmError` within
     ``cfg.bootstrap_timeout_s``."""
-    initial_peers = cfg.initial_peers
+    initial_peers = [*cfg.initial_peers, *read_maddrs_file(cfg.initial_peers_file, cfg.bootstrap_timeout_s)]
     # On loopback there is nothing to map or probe; UPnP discovery would multicast to the LAN.
     loopback_only = all(is_loopback(m) for m in cfg.host_maddrs)
     kwargs: dict[str, Any] = dict(
@@ -198,6 +200,40 @@ def create_dht(cfg: SwarmConfig, record_validators: Sequence = ()) -> WatchedDHT
     return dht
 
 
+def read_maddrs_file(path: Path | None, timeout_s: float) -> list[str]:
+    """Multiaddrs from a file written by ``p2ptrain dht --maddrs-file``, waiting for it to appear."""
+    if path is None:
+        return []
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            lines = [line.strip() for line in Path(path).read_text().splitlines()]
+        except FileNotFoundError:
+            lines = []
+        maddrs = [line for line in lines if line and not line.startswith("#")]
+        if maddrs:
+            for maddr in maddrs:
+                try:
+                    parse_multiaddr(maddr)
+                except ValueError as e:
+                    raise SwarmError(f"{path}: {e}") from None
+            return maddrs
+        if time.monotonic() > deadline:
+            raise SwarmError(
+                f"swarm.initial_peers_file {path}: no multiaddr appeared within {timeout_s:.0f}s"
+            )
+        time.sleep(0.5)
+
+
+def write_maddrs_file(path: Path, maddrs: Sequence[str]) -> None:
+    """Atomically, so that a reader never sees half a file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(f"{m}\n" for m in maddrs))
+    os.replace(tmp, path)
+
+
 def _stop_dht(dht: hivemind.DHT) -> None:
     if dht.is_alive():
         dht.shutdown()
@@ -231,11 +267,9 @@ class Swarm:
         self.run_id = run_id
         self.device = device
         self.heartbeat_s, self.record_ttl_s = cfg.heartbeat_s, cfg.record_ttl_s
-        signer = RSASignatureValidator(RSAPrivateKey())
-        self._public_key = signer.local_public_key
-        self.dht = create_dht(
-            cfg, record_validators=[SchemaValidator(_ProgressSchema, prefix=run_id), signer]
-        )
+        validators = progress_validators(run_id)
+        self._public_key = validators[-1].local_public_key
+        self.dht = create_dht(cfg, record_validators=validators)
         self.peer_id = self.dht.peer_id.to_base58()
         self.status = LocalStatus()
         self.split_watch = SplitWatch(cfg.split_warning_s)
@@ -247,7 +281,7 @@ class Swarm:
 
     @property
     def progress_key(self) -> str:
-        return f"{self.run_id}_progress"
+        return progress_key(self.run_id)
 
     def visible_maddrs(self) -> list[str]:
         with self._lock:
@@ -305,8 +339,8 @@ class Swarm:
     def peers(self) -> dict[str, ProgressRecord]:
         """Live peers' records by peer id (this peer's own included once published; peers that left excluded)."""
         with self._lock:
-            found = self.dht.get(self.progress_key, latest=True)
-        live = {pid: r for pid, r in records_from_dht_value(found).items() if r.state != "left"}
+            live = live_records(self.dht, self.run_id)
+        telemetry.observe_swarm(live)
         self.status.seen = len(live.keys() | {self.peer_id})
         self.status.view = view_hash(live.keys() | {self.peer_id})
         with self._watch_lock:  # read by the heartbeat thread and the trainer
@@ -333,6 +367,25 @@ class Swarm:
                 log.debug("goodbye record not stored", error=repr(e))
         with self._lock:
             _stop_dht(self.dht)
+
+
+def progress_key(run_id: str) -> str:
+    return f"{run_id}_progress"
+
+
+def progress_validators(run_id: str) -> list:
+    """The DHT record validators of a run: schema-checked, and signed by the peer that owns the subkey.
+
+    Every node that stores records of the run should use them (peers, the bootstrap node, status readers),
+    so that malformed or forged records are refused. The signer (last) holds a fresh key of this process.
+    """
+    return [SchemaValidator(_ProgressSchema, prefix=run_id), RSASignatureValidator(RSAPrivateKey())]
+
+
+def live_records(dht: hivemind.DHT, run_id: str) -> dict[str, ProgressRecord]:
+    """The unexpired records of ``run_id`` by peer id, without peers that said they left."""
+    found = dht.get(progress_key(run_id), latest=True)
+    return {pid: r for pid, r in records_from_dht_value(found).items() if r.state != "left"}
 
 
 def records_from_dht_value(found) -> dict[str, ProgressRecord]:

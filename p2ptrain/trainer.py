@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from p2ptrain import checkpoint
+from p2ptrain import checkpoint, telemetry
 from p2ptrain.averaging import SwarmAverager
 from p2ptrain.compression import ErrorFeedback, make_codec
 from p2ptrain.config import ExperimentConfig
@@ -30,6 +30,7 @@ from p2ptrain.data import Corpus, load_corpus
 from p2ptrain.diloco import DiLoCo, OuterStepReport, tensors_hash
 from p2ptrain.logs import bind, get_logger
 from p2ptrain.models import build_model, num_params
+from p2ptrain.progress import InnerProgress, terminal_progress_enabled
 from p2ptrain.swarm import ProgressRecord, Swarm, canonical_hash
 
 log = get_logger(__name__)
@@ -56,6 +57,7 @@ class RoundStats:
     steps: int = 0
     samples: int = 0
     started: float = field(default_factory=time.monotonic)
+    inner_s: float = 0.0
 
     @property
     def loss(self) -> float:
@@ -101,6 +103,7 @@ class Trainer:
             self.join_swarm()
             while not self.stop.is_set():
                 self.catch_up()  # may jump several rounds, up to the end of the run
+                bind(round=self.round)
                 if self.round >= self.cfg.outer.num_rounds:
                     break
                 stats = self.inner_phase()
@@ -108,6 +111,8 @@ class Trainer:
                     break
                 peers = self.wait_for_peers()
                 if peers is None:  # the swarm moved on while we trained: our pseudo-gradient is stale
+                    if not self.stop.is_set():
+                        telemetry.OUTER_STEP_FAILURES.labels(reason="stale").inc()
                     continue
                 report = self.outer_sync(peers, stats)
                 self.log_round(report, stats)
@@ -131,8 +136,6 @@ class Trainer:
         bind(peer_id=self.peer_id[-8:])
         self.maddrs = self.swarm.visible_maddrs()
 
-        if cfg.device.num_threads:
-            torch.set_num_threads(cfg.device.num_threads)
         self.corpus = Corpus.from_bytes(
             load_corpus(cfg.data), cfg.model.context_length, cfg.data.val_fraction
         )
@@ -176,6 +179,17 @@ class Trainer:
             state_provider=self._state_for_donation,
             stop=self.stop,
         )
+        # Only now, after the averager child has forked: torch.set_num_threads creates a thread pool that a
+        # forked child inherits broken, and the child's first parallel op in a new thread then fails with
+        # "Invalid thread pool!" (its all-reduce stalls until groupmates time it out).
+        if cfg.device.num_threads:
+            torch.set_num_threads(cfg.device.num_threads)
+        if cfg.metrics.port:  # after the forks: a child must not inherit the listening socket
+            telemetry.serve(cfg.metrics.port, cfg.metrics.host)
+        telemetry.set_peer_info(
+            peer_id=self.peer_id, run_id=cfg.run.run_id, device=self.device.type, model=cfg.model.name
+        )
+        telemetry.ROUND.set(self.round)
         self.swarm.update(round=0, state="loading", params_hash=self.diloco.params_hash())
         log.info(
             "peer started",
@@ -192,7 +206,7 @@ class Trainer:
         assert self.swarm is not None
         self.swarm.start_heartbeat()
         cfg = self.cfg.swarm
-        if cfg.initial_peers:
+        if cfg.initial_peers or cfg.initial_peers_file:
             # Records take a moment to reach a new DHT node; give the swarm two heartbeats to show up.
             deadline = time.monotonic() + 2 * cfg.heartbeat_s + 1
             while time.monotonic() < deadline and not self._others() and not self.stop.is_set():
@@ -254,20 +268,34 @@ class Trainer:
         self.model.train()
         last_beat = time.monotonic()
         loss_sum = torch.zeros((), device=self.device)  # summed on device: no host sync per step
-        for _ in range(cfg.inner.num_inner_steps):
-            if self.stop.is_set():
-                break
-            loss = self._inner_step(batches)
-            loss_sum += loss.detach()
-            stats.steps += 1
-            stats.samples += cfg.inner.batch_size
-            if time.monotonic() - last_beat > cfg.swarm.heartbeat_s:
-                last_beat = time.monotonic()
-                elapsed = last_beat - stats.started
-                swarm.update(samples_round=stats.samples, samples_per_s=stats.samples / max(elapsed, 1e-9))
+        bar = InnerProgress(
+            terminal_progress_enabled(cfg.log.format), total=cfg.inner.num_inner_steps, round=self.round
+        )
+        with bar:
+            for _ in range(cfg.inner.num_inner_steps):
+                if self.stop.is_set():
+                    break
+                loss = self._inner_step(batches)
+                loss_sum.add_(loss.detach())
+                stats.steps += 1
+                stats.samples += cfg.inner.batch_size
+                bar.update(stats.steps, stats.samples, lambda: float(loss_sum) / stats.steps)
+                if time.monotonic() - last_beat > cfg.swarm.heartbeat_s:
+                    last_beat = time.monotonic()
+                    elapsed = last_beat - stats.started
+                    swarm.update(
+                        samples_round=stats.samples, samples_per_s=stats.samples / max(elapsed, 1e-9)
+                    )
         stats.loss_sum = float(loss_sum)
         self.samples_total += stats.samples
         elapsed = time.monotonic() - stats.started
+        stats.inner_s = elapsed
+        telemetry.INNER_STEPS.inc(stats.steps)
+        telemetry.SAMPLES.inc(stats.samples)
+        if stats.steps:
+            telemetry.INNER_STEP_DURATION.observe(elapsed / stats.steps)
+            telemetry.TRAIN_LOSS.set(stats.loss)
+            telemetry.SAMPLES_PER_SECOND.set(stats.samples / max(elapsed, 1e-9))
         swarm.update(
             samples_round=stats.samples,
             samples_total=self.samples_total,
@@ -375,6 +403,19 @@ class Trainer:
             )
         val_loss = self.evaluate()
         self.val_losses.append((self.round, val_loss))
+        duration = time.monotonic() - stats.started
+        if report.applied:
+            telemetry.OUTER_STEPS.inc()
+        if report.failure in telemetry.FAILURE_REASONS:
+            telemetry.OUTER_STEP_FAILURES.labels(reason=report.failure).inc()
+        telemetry.OUTER_STEP_DURATION.observe(duration)
+        telemetry.SYNC_DURATION.observe(self._last_sync_s)
+        telemetry.AVERAGING_SENT.inc(report.bytes_sent)
+        telemetry.AVERAGING_RECEIVED.inc(report.bytes_received)
+        telemetry.GROUP_SIZE.set(report.group_size)
+        telemetry.VALIDATION_LOSS.set(val_loss)
+        telemetry.ROUND.set(self.round)
+        # The canonical line: one per outer step, everything a person or a log pipeline needs about the round.
         log.info(
             "outer step",
             round=report.round,
@@ -386,7 +427,8 @@ class Trainer:
             bytes_sent=report.bytes_sent,
             bytes_received=report.bytes_received,
             delta_norm=round(report.delta_norm, 4),
-            inner_s=round(time.monotonic() - stats.started - self._last_sync_s, 2),
+            duration_s=round(duration, 2),
+            inner_s=round(stats.inner_s, 2),
             sync_s=round(self._last_sync_s, 2),
         )
 
@@ -542,6 +584,8 @@ class Trainer:
             assert self.swarm is not None
             self.swarm.update(round=self.round, params_hash=self.diloco.params_hash())
             self.averager.set_round(self.round)
+            telemetry.STATE_LOADS.inc()
+            telemetry.ROUND.set(self.round)
             log.info("loaded state", donor=donor[-8:], round=self.round, params_hash=meta["params_hash"])
             return True
         return False

@@ -1,0 +1,68 @@
+"""``p2ptrain status``: the swarm as its DHT records show it, for people (a table) and scripts (JSON)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from p2ptrain.swarm import ProgressRecord, global_round
+
+
+def summarize(run_id: str, records: dict[str, ProgressRecord], now: float | None = None) -> dict[str, Any]:
+    """The swarm's state from its live records: one entry per peer, the global round, total throughput."""
+    now = time.time() if now is None else now
+    peers = [
+        {
+            "peer_id": r.peer_id,
+            "short_id": r.peer_id[-8:],
+            "state": r.state,
+            "device": r.device,
+            "round": r.round,
+            "samples_per_s": round(r.samples_per_s, 2),
+            "samples_total": r.samples_total,
+            "last_group_size": r.last_group_size,
+            "last_seen_s": round(max(0.0, now - r.time), 1),
+            "sees_peers": r.seen,
+        }
+        for r in sorted(records.values(), key=lambda r: (-r.round, r.peer_id))
+    ]
+    training = [r for r in records.values() if r.state in ("training", "averaging")]
+    return {
+        "run_id": run_id,
+        "round": global_round(records),
+        "peers": peers,
+        "samples_per_s": round(sum(r.samples_per_s for r in training), 2),
+        "samples_total": sum(r.samples_total for r in records.values()),
+    }
+
+
+def render(summary: dict[str, Any]) -> str:
+    """A plain-text table (rich formats it when on a terminal)."""
+    from io import StringIO
+
+    from rich.console import Console
+    from rich.table import Table
+
+    head = (
+        f"run {summary['run_id']}: {len(summary['peers'])} live peer(s), round {summary['round']}, "
+        f"{summary['samples_per_s']:.1f} samples/s in total, {summary['samples_total']:,} samples so far"
+    )
+    if not summary["peers"]:
+        return head
+    table = Table(box=None, pad_edge=False)
+    for column in ("peer", "state", "device", "round", "samples/s", "samples", "group", "last seen"):
+        table.add_column(column, justify="right" if column not in ("peer", "state", "device") else "left")
+    for p in summary["peers"]:
+        table.add_row(
+            p["short_id"],
+            p["state"],
+            p["device"],
+            str(p["round"]),
+            f"{p['samples_per_s']:.1f}",
+            f"{p['samples_total']:,}",
+            str(p["last_group_size"]),
+            f"{p['last_seen_s']:.1f} s ago",
+        )
+    out = StringIO()
+    Console(file=out, width=120, color_system=None).print(table)
+    return head + "\n" + out.getvalue().rstrip()

@@ -1,0 +1,185 @@
+"""Prometheus metrics: every metric p2ptrain exports is defined here, once.
+
+Naming follows Prometheus conventions: the ``p2ptrain_`` prefix, base units (seconds, bytes),
+``_total`` on counters (prometheus-client appends it), no label per remote peer (a swarm of a
+thousand peers must not make a thousand series on each of them).
+
+A peer (``p2ptrain join --metrics-port N``) exports its own training; the bootstrap node
+(``p2ptrain dht --metrics-port N``) exports swarm-wide gauges read from the peers' signed DHT records,
+so a swarm whose peers sit behind NATs can still be watched from one place. Each process serves one
+registry, :data:`REGISTRY`.
+"""
+
+from __future__ import annotations
+
+import platform
+import threading
+import time
+from collections.abc import Callable
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    Info,
+    gc_collector,
+    platform_collector,
+    process_collector,
+    start_http_server,
+)
+
+REGISTRY = CollectorRegistry()
+process_collector.ProcessCollector(registry=REGISTRY)
+platform_collector.PlatformCollector(registry=REGISTRY)
+gc_collector.GCCollector(registry=REGISTRY)
+
+# A round is an inner phase of seconds to tens of minutes plus an all-reduce: buckets from 1 s to 1 h.
+ROUND_BUCKETS = (1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600, 1200, 1800, 3600)
+# One inner step: milliseconds on a GPU, seconds on a laptop CPU.
+STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+FAILURE_REASONS = ("no_group", "allreduce", "non_finite", "stale")
+"""Why a round's outer step did not average with the swarm (see DiLoCo.sync and Trainer.outer_sync)."""
+
+# --------------------------------------------------------------------------------------- a peer
+INNER_STEPS = Counter("p2ptrain_inner_steps", "Inner optimizer steps taken by this peer.", registry=REGISTRY)
+INNER_STEP_DURATION = Histogram(
+    "p2ptrain_inner_step_duration_seconds",
+    "Wall time of one inner step (forward, backward, optimizer), measured per round as its mean.",
+    buckets=STEP_BUCKETS,
+    registry=REGISTRY,
+)
+OUTER_STEPS = Counter("p2ptrain_outer_steps", "Outer steps this peer applied.", registry=REGISTRY)
+OUTER_STEP_DURATION = Histogram(
+    "p2ptrain_outer_step_duration_seconds",
+    "Wall time of a whole round: inner phase, barrier, all-reduce and outer step.",
+    buckets=ROUND_BUCKETS,
+    registry=REGISTRY,
+)
+SYNC_DURATION = Histogram(
+    "p2ptrain_outer_sync_duration_seconds",
+    "Wall time of a round's outer sync: matchmaking, all-reduce and outer step (barrier excluded).",
+    buckets=ROUND_BUCKETS,
+    registry=REGISTRY,
+)
+OUTER_STEP_FAILURES = Counter(
+    "p2ptrain_outer_step_failures",
+    "Rounds whose pseudo-gradient did not enter a swarm average, by reason.",
+    ["reason"],
+    registry=REGISTRY,
+)
+TRAIN_LOSS = Gauge("p2ptrain_train_loss", "Mean training loss of the last inner phase.", registry=REGISTRY)
+VALIDATION_LOSS = Gauge(
+    "p2ptrain_validation_loss",
+    "Validation loss of the global params after the last outer step.",
+    registry=REGISTRY,
+)
+SAMPLES = Counter(
+    "p2ptrain_samples", "Training samples (sequences) processed by this peer.", registry=REGISTRY
+)
+SAMPLES_PER_SECOND = Gauge(
+    "p2ptrain_samples_per_second", "This peer's inner-phase throughput in the last round.", registry=REGISTRY
+)
+AVERAGING_SENT = Counter(
+    "p2ptrain_averaging_sent_bytes", "All-reduce payload bytes this peer sent.", registry=REGISTRY
+)
+AVERAGING_RECEIVED = Counter(
+    "p2ptrain_averaging_received_bytes", "All-reduce payload bytes this peer received.", registry=REGISTRY
+)
+GROUP_SIZE = Gauge(
+    "p2ptrain_averaging_group_size",
+    "Peers in this peer's last all-reduce group (1: it stepped alone).",
+    registry=REGISTRY,
+)
+ROUND = Gauge("p2ptrain_round", "The outer round this peer is in.", registry=REGISTRY)
+STATE_LOADS = Counter(
+    "p2ptrain_state_loads", "Swarm states this peer downloaded from other peers.", registry=REGISTRY
+)
+PEER_INFO = Info("p2ptrain_peer", "This process: peer id, run, device, versions.", registry=REGISTRY)
+
+# ---------------------------------------------------------- the swarm, as this process sees it
+SWARM_PEERS = Gauge(
+    "p2ptrain_swarm_peers",
+    "Live peers of the run (records not expired), by state.",
+    ["state"],
+    registry=REGISTRY,
+)
+SWARM_ROUND = Gauge(
+    "p2ptrain_swarm_round", "The swarm's round: the highest round of a live peer.", registry=REGISTRY
+)
+SWARM_SAMPLES_PER_SECOND = Gauge(
+    "p2ptrain_swarm_samples_per_second", "Sum of the live peers' reported throughput.", registry=REGISTRY
+)
+SWARM_SAMPLES = Gauge(
+    "p2ptrain_swarm_samples",
+    "Sum of the live peers' samples processed since each started (peers that left are not counted).",
+    registry=REGISTRY,
+)
+
+PEER_STATES = ("loading", "training", "averaging", "done")
+
+for _reason in FAILURE_REASONS:  # every series exists from the start, at 0, so rate() and alerts work
+    OUTER_STEP_FAILURES.labels(reason=_reason)
+for _state in PEER_STATES:
+    SWARM_PEERS.labels(state=_state)
+
+
+def serve(port: int, host: str = "0.0.0.0") -> None:
+    """Serve /metrics on ``host:port`` from a daemon thread. Start it after hivemind's children have forked
+    (a forked child would inherit the listening socket)."""
+    start_http_server(port, addr=host, registry=REGISTRY)
+
+
+def set_peer_info(**fields: str) -> None:
+    import hivemind
+    import torch
+
+    PEER_INFO.info(
+        {
+            **fields,
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "hivemind": hivemind.__version__,
+        }
+    )
+
+
+def observe_swarm(records: dict) -> None:
+    """Set the swarm-wide gauges from live progress records (swarm.ProgressRecord by peer id)."""
+    from p2ptrain.swarm import global_round
+
+    for state in PEER_STATES:
+        SWARM_PEERS.labels(state=state).set(sum(1 for r in records.values() if r.state == state))
+    SWARM_ROUND.set(max(global_round(records), 0))
+    SWARM_SAMPLES_PER_SECOND.set(
+        sum(r.samples_per_s for r in records.values() if r.state in ("training", "averaging"))
+    )
+    SWARM_SAMPLES.set(sum(r.samples_total for r in records.values()))
+
+
+class SwarmMonitor:
+    """Refreshes the swarm-wide gauges from the DHT every ``period_s`` (the bootstrap node runs one)."""
+
+    def __init__(self, read_records: Callable[[], dict], period_s: float):
+        self._read, self._period = read_records, period_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="swarm-monitor", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _loop(self) -> None:
+        from p2ptrain.logs import get_logger
+
+        log = get_logger(__name__)
+        while not self._stop.is_set():
+            t0 = time.monotonic()
+            try:
+                observe_swarm(self._read())
+            except Exception as e:  # a DHT hiccup: keep the last values, try again next period
+                log.warning("could not read the swarm's records", error=repr(e))
+            self._stop.wait(max(0.0, self._period - (time.monotonic() - t0)))
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)

@@ -1,0 +1,152 @@
+"""A real swarm seen from outside: /metrics of two peers and the bootstrap node, `status --json`, JSON logs."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.integration.conftest import LOOPBACK, join_args
+from tests.test_deploy import dashboard_metric_names, exposed_sample_names
+
+pytestmark = pytest.mark.integration
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def scrape(port: int) -> list:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    return list(text_string_to_metric_families(text))
+
+
+def value(families, name: str, **labels) -> float | None:
+    for f in families:
+        for s in f.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                return s.value
+    return None
+
+
+def poll(fn, timeout_s: float = 90, every_s: float = 0.5):
+    deadline = time.monotonic() + timeout_s
+    last = None
+    while time.monotonic() < deadline:
+        try:
+            last = fn()
+            if last:
+                return last
+        except OSError:  # the server is not up yet
+            pass
+        time.sleep(every_s)
+    raise AssertionError(f"condition not met within {timeout_s}s (last: {last})")
+
+
+def test_metrics_status_and_logs_of_a_two_peer_swarm(tmp_path, spawn):
+    run_id = f"t{uuid.uuid4().hex[:8]}"
+    dht_port, ports = free_port(), [free_port(), free_port()]
+    node = spawn(
+        "dht",
+        "--host-maddrs",
+        LOOPBACK,
+        "--log-format",
+        "json",
+        "--run-id",
+        run_id,
+        "--metrics-port",
+        str(dht_port),
+        "--set",
+        "metrics.host=127.0.0.1",
+        "--set",
+        "metrics.swarm_period_s=0.5",
+        name="dht",
+    )
+    maddr = node.wait_for_maddr()
+    long = [
+        "--set",
+        "outer.num_rounds=12",
+        "--set",
+        "inner.num_inner_steps=60",
+        "--set",
+        "metrics.host=127.0.0.1",
+    ]
+    peers = [
+        spawn(
+            *join_args(
+                tmp_path, f"p{i}", run_id, "--initial-peers", maddr, "--set", "swarm.min_peers=2", *long
+            ),
+            "--metrics-port",
+            str(ports[i]),
+            name=f"p{i}",
+        )
+        for i in range(2)
+    ]
+
+    # The peers' series move as training proceeds.
+    first = poll(lambda: (f := scrape(ports[0])) and (value(f, "p2ptrain_outer_steps_total") or 0) >= 1 and f)
+    later = poll(
+        lambda: (
+            (f := scrape(ports[0]))
+            and value(f, "p2ptrain_outer_steps_total") > value(first, "p2ptrain_outer_steps_total")
+            and f
+        )
+    )
+    assert value(later, "p2ptrain_inner_steps_total") > value(first, "p2ptrain_inner_steps_total")
+    assert value(later, "p2ptrain_samples_total") > value(first, "p2ptrain_samples_total")
+    assert value(later, "p2ptrain_averaging_sent_bytes_total") > 0
+    assert value(later, "p2ptrain_round") >= 2
+    assert 0 < value(later, "p2ptrain_train_loss") < 6
+    assert value(later, "p2ptrain_outer_step_duration_seconds_count") >= 2
+    assert value(later, "p2ptrain_peer_info", device="cpu", run_id=run_id) == 1
+
+    # The bootstrap node, which trains nothing, sees the whole swarm in the DHT records.
+    swarm = poll(
+        lambda: (
+            (f := scrape(dht_port))
+            and sum(value(f, "p2ptrain_swarm_peers", state=s) or 0 for s in ("training", "averaging")) == 2
+            and f
+        )
+    )
+    assert value(swarm, "p2ptrain_swarm_samples_per_second") > 0
+    assert value(swarm, "p2ptrain_swarm_round") >= 1
+
+    # `status --json` lists both peers.
+    out = subprocess.run(
+        [sys.executable, "-m", "p2ptrain", "status", "--initial-peers", maddr, "--run-id", run_id, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=90,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    status = json.loads(out.stdout)
+    peer_ids = {next(e["peer_id"] for e in p.events() if e["event"] == "peer started") for p in peers}
+    assert {p["short_id"] for p in status["peers"]} == peer_ids
+    assert status["round"] >= 1 and all(p["device"] == "cpu" for p in status["peers"])
+
+    # Everything the dashboard draws exists on a live endpoint.
+    live = exposed_sample_names(later) | exposed_sample_names(swarm)
+    assert dashboard_metric_names() <= live, sorted(dashboard_metric_names() - live)
+
+    for p in peers:
+        assert p.wait(180) == 0, p.log_path.read_text()[-2000:]
+    # Piped logs are JSON lines, each with run_id and peer_id bound; outer-step lines carry the round.
+    for p in peers:
+        lines = p.log_path.read_text().splitlines()
+        events = [json.loads(line) for line in lines]  # every line, not only those that look like JSON
+        assert all(e["run_id"] == run_id for e in events)
+        assert all("peer_id" in e for e in events if e["event"] != "config")
+        steps = [e for e in events if e["event"] == "outer step"]
+        assert len(steps) == 12 and all(
+            {"round", "train_loss", "samples", "group_size", "bytes_sent", "duration_s"} <= e.keys()
+            for e in steps
+        )

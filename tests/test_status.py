@@ -1,0 +1,25 @@
+"""`p2ptrain status`: the summary of the swarm's records, as JSON for scripts and a table for people."""
+
+from p2ptrain.status import render, summarize
+from tests.test_swarm import rec
+
+
+def test_summary_lists_every_peer_with_round_throughput_and_contribution():
+    a, b = rec("12D3KooWaaaaaaaaPEER0001", 5), rec("12D3KooWbbbbbbbbPEER0002", 5, state="averaging")
+    a.samples_per_s, b.samples_per_s, a.samples_total, b.samples_total = 100.0, 50.0, 4000, 2000
+    a.time = b.time = 1000.0
+    loading = rec("12D3KooWccccccccPEER0003", 0, state="loading")
+    loading.time = 998.0
+    summary = summarize("run-x", {r.peer_id: r for r in (a, b, loading)}, now=1001.5)
+    assert summary["round"] == 5 and summary["samples_per_s"] == 150.0 and summary["samples_total"] == 6000
+    assert [p["short_id"] for p in summary["peers"]] == ["PEER0001", "PEER0002", "PEER0003"]
+    assert summary["peers"][0]["last_seen_s"] == 1.5 and summary["peers"][2]["state"] == "loading"
+    text = render(summary)
+    assert text.splitlines()[0].startswith("run run-x: 3 live peer(s), round 5, 150.0 samples/s")
+    assert "PEER0002" in text and "averaging" in text and "4,000" in text
+
+
+def test_empty_swarm_is_said_plainly():
+    summary = summarize("run-y", {})
+    assert summary["peers"] == [] and summary["round"] == -1
+    assert render(summary).startswith("run run-y: 0 live peer(s)")

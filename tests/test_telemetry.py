@@ -1,0 +1,84 @@
+"""Metrics are defined once, named by Prometheus conventions, served and parseable, and the swarm gauges
+follow the records."""
+
+import socket
+import time
+import urllib.request
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from p2ptrain import telemetry
+from tests.test_swarm import rec
+
+
+def ours():
+    return [m for m in telemetry.REGISTRY.collect() if m.name.startswith("p2ptrain_")]
+
+
+def test_metric_names_follow_prometheus_conventions():
+    families = ours()
+    assert len(families) >= 20
+    for family in families:
+        if family.type == "counter":
+            assert not family.name.endswith("_total"), "prometheus-client appends _total itself"
+        if family.type == "histogram":
+            assert family.name.endswith("_seconds"), f"{family.name}: histograms here measure seconds"
+        if "bytes" in family.name:
+            assert family.name.endswith("_bytes"), family.name
+        assert family.documentation, f"{family.name} has no help text"
+    # No per-remote-peer labels: only small, fixed label sets.
+    labels = {s.name: set(s.labels) - {"le"} for f in families for s in f.samples}
+    assert {k for v in labels.values() for k in v} <= {
+        "reason",
+        "state",
+        "peer_id",
+        "run_id",
+        "device",
+        "model",
+        "python",
+        "torch",
+        "hivemind",
+    }
+
+
+def test_round_buckets_cover_seconds_to_an_hour():
+    assert telemetry.ROUND_BUCKETS[0] <= 1 and telemetry.ROUND_BUCKETS[-1] >= 3600
+
+
+def test_swarm_gauges_follow_the_records():
+    records = {
+        "a": rec("a", 4, state="training"),
+        "b": rec("b", 4, state="averaging"),
+        "c": rec("c", 0, state="loading"),
+    }
+    records["a"].samples_per_s, records["b"].samples_per_s = 10.0, 5.5
+    records["a"].samples_total, records["b"].samples_total = 100, 50
+    telemetry.observe_swarm(records)
+    value = telemetry.REGISTRY.get_sample_value
+    assert value("p2ptrain_swarm_peers", {"state": "training"}) == 1
+    assert value("p2ptrain_swarm_peers", {"state": "loading"}) == 1
+    assert value("p2ptrain_swarm_round") == 4
+    assert value("p2ptrain_swarm_samples_per_second") == 15.5
+    assert value("p2ptrain_swarm_samples") == 150
+
+
+def test_served_metrics_parse_with_prometheus_own_parser():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    telemetry.serve(port, "127.0.0.1")
+    telemetry.OUTER_STEP_FAILURES.labels(reason="no_group").inc()
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+            break
+        except OSError:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+    names = {f.name for f in text_string_to_metric_families(text)}
+    assert {"p2ptrain_inner_steps", "p2ptrain_outer_step_failures", "p2ptrain_swarm_peers"} <= names
+    assert 'p2ptrain_outer_step_failures_total{reason="no_group"}' in text
+    assert (
+        'p2ptrain_outer_step_failures_total{reason="stale"} 0.0' in text
+    )  # every reason exists from the start
