@@ -116,7 +116,7 @@ def run_swarm(cfg, config_path: Path, sets: list[str], peers: int, workdir: Path
                         }
                     )
                 next_kill = now + rng.uniform(15, 35)
-            failed = [p for p in current.values() if p.proc.poll() not in (None, 0)]
+            failed = [p for i, p in current.items() if i not in down and p.proc.poll() not in (None, 0)]
             if failed:
                 raise RuntimeError(f"peer {failed[0].index} exited with {failed[0].proc.returncode}")
             time.sleep(0.2)

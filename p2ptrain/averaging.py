@@ -26,6 +26,7 @@ import os
 import signal
 import threading
 import time
+import typing
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -34,7 +35,7 @@ from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AllreduceException, AllReduceRunner, AveragingMode
 from hivemind.averaging.partition import TensorPartContainer
 from hivemind.compression.serialization import combine_from_streaming
-from hivemind.p2p import PeerID
+from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import MPFuture
 from hivemind.utils.asyncio import (
@@ -58,13 +59,28 @@ _POLL_S = 0.25
 FAILPOINT_ENV = "P2PTRAIN_FAILPOINT"
 
 
-def failpoint_allreduce() -> int | None:
-    """A testing hook: ``P2PTRAIN_FAILPOINT=allreduce:N`` makes this peer die by SIGKILL (main process and
-    averager child) right after it served its first averaged part in its N-th all-reduce, so that some
-    groupmates hold its result and others do not: the worst moment for a crash. Unset in normal use."""
+def failpoint(kind: str) -> int | str | None:
+    """Testing hooks, unset in normal use. With ``P2PTRAIN_FAILPOINT=KIND:N`` this peer dies by SIGKILL (main
+    process and averager child) at the worst moment of its N-th operation of that kind; with
+    ``KIND:@PATH``, of the first one that starts once the file PATH exists (a test arms it when it wants):
+
+    * ``allreduce``: right after it served its first averaged part, so that some groupmates hold its
+      result and others do not;
+    * ``donate``: right after it sent the first chunk of its state to a newcomer.
+    """
     value = os.environ.get(FAILPOINT_ENV, "")
-    kind, _, n = value.partition(":")
-    return int(n) if kind == "allreduce" and n.isdigit() else None
+    name, _, when = value.partition(":")
+    if name != kind:
+        return None
+    if when.startswith("@"):
+        return when[1:]
+    return int(when) if when.isdigit() else None
+
+
+def _failpoint_due(spec: int | str | None, count: int) -> bool:
+    if isinstance(spec, str):
+        return os.path.exists(spec)
+    return spec is not None and count == spec
 
 
 class _Stopped(Exception):
@@ -203,7 +219,9 @@ class ExactAverager(_ParentWatchdog, DecentralizedAverager):
         self._watched_parent_pid = os.getpid()
         self._state_provider = state_provider
         self._allreduces = 0
-        self._die_in_allreduce = failpoint_allreduce()
+        self._die_in_allreduce = failpoint("allreduce")
+        self._donations = 0
+        self._die_in_donation = failpoint("donate")
         super().__init__(*args, **kwargs)
 
     def run(self) -> None:
@@ -231,7 +249,7 @@ class ExactAverager(_ParentWatchdog, DecentralizedAverager):
         group_id = group_info.group_id if group_id is None else group_id
         self._allreduces += 1
         runner = ExactAllReduceRunner(
-            on_part_served=self._die if self._allreduces == self._die_in_allreduce else None,
+            on_part_served=self._die if _failpoint_due(self._die_in_allreduce, self._allreduces) else None,
             p2p=self._p2p,
             servicer_type=type(self),
             prefix=self.prefix,
@@ -254,8 +272,20 @@ class ExactAverager(_ParentWatchdog, DecentralizedAverager):
                 f"a reducer left mid-way; {runner.tensor_part_container.failed_size} values were not averaged"
             )
 
+    async def rpc_download_state(
+        self, request: averaging_pb2.DownloadRequest, context: P2PContext
+    ) -> typing.AsyncIterator[averaging_pb2.DownloadData]:  # hivemind knows typing's alias only
+        # hivemind registers RPC handlers by these (resolved) annotations; the failpoint is the only reason
+        # to override it.
+        self._donations += 1
+        die = _failpoint_due(self._die_in_donation, self._donations)
+        async for message in super().rpc_download_state(request, context):
+            yield message
+            if die:
+                self._die()
+
     def _die(self) -> None:
-        log.warning("failpoint: killing this peer mid-way through an all-reduce", env=FAILPOINT_ENV)
+        log.warning("failpoint: killing this peer", env=os.environ.get(FAILPOINT_ENV))
         os.kill(self._watched_parent_pid, signal.SIGKILL)
         os.kill(os.getpid(), signal.SIGKILL)
 

@@ -134,3 +134,11 @@ def test_systemd_unit_restarts_keeps_state_and_gpu_access():
     assert exec_start[0].endswith("/p2ptrain")
     ctx = parse_cli(exec_start[1:])
     assert ctx.params["metrics_port"] == 9100
+
+
+def test_the_bootstrap_node_watches_the_run_the_peers_train(compose):
+    from p2ptrain.config import ExperimentConfig
+
+    watched = parse_cli(compose["services"]["dht"]["command"]).params["run_id"]
+    peer_sets = [a for a in compose["services"]["peer1"]["command"] if a.startswith("--set=run.run_id")]
+    assert watched == ExperimentConfig().run.run_id and not peer_sets

@@ -133,3 +133,35 @@ def test_half_the_swarm_killed_at_once(tmp_path, spawn):
     after = [s for s in peers[0].outer_steps() if s["round"] >= 3]
     assert any(s["group_size"] == 2 for s in after), "the two survivors should go on averaging together"
     assert_no_orphans(victims)
+
+
+def test_donor_killed_mid_transfer_the_newcomer_takes_the_state_from_another(tmp_path, spawn):
+    rounds = 6
+    run_id = f"t{uuid.uuid4().hex[:8]}"
+    # Rounds of a few seconds, so that the swarm is still running when the newcomers have started.
+    slow = ["--set", "inner.num_inner_steps=300", "--set", f"outer.num_rounds={rounds}"]
+    armed = tmp_path / "armed"
+    # Once `armed` exists, p0 dies by SIGKILL half-way through the next download it serves.
+    first = spawn(
+        *join_args(tmp_path, "p0", run_id, *slow), name="p0", env={"P2PTRAIN_FAILPOINT": f"donate:@{armed}"}
+    )
+    maddr = first.wait_for_maddr()
+    first.remember_descendants()
+    wait_until(lambda: any(s["round"] >= 1 for s in first.outer_steps()), [first])
+    second = spawn(*join_args(tmp_path, "p1", run_id, *slow, "--initial-peers", maddr), name="p1")
+    wait_until(lambda: any(e["event"] == "outer step" for e in second.events()), [first, second])
+    # p0 has trained longest, so a newcomer asks it first.
+    armed.touch()
+    third = spawn(*join_args(tmp_path, "p2", run_id, *slow, "--initial-peers", maddr), name="p2")
+    assert first.wait(120) == -9, first.log_path.read_text()[-3000:]
+    assert_finished_together(tmp_path, {"p1": second, "p2": third}, rounds)
+    second_id = next(e["peer_id"] for e in second.events() if e["event"] == "peer started")
+    loaded = [e for e in third.events() if e["event"] == "loaded state"]
+    assert loaded and loaded[0]["donor"] == second_id[-8:], loaded
+    # The half-sent state was not used: hivemind hands over a truncated download without an error, and the
+    # checksum refuses it (or the stream breaks and the download fails), then the next donor serves it.
+    first_id = next(e["peer_id"] for e in first.events() if e["event"] == "peer started")
+    failed = [e for e in third.events() if e["event"] in ("refused a state", "state download failed")]
+    assert failed and failed[0]["donor"][-8:] == first_id[-8:], failed
+    assert any(e["event"].startswith("failpoint") for e in first.events())
+    assert_no_orphans([first])
