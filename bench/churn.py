@@ -18,7 +18,6 @@ import platform
 import random
 import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -62,31 +61,37 @@ def run_swarm(cfg, config_path: Path, sets: list[str], peers: int, workdir: Path
         if event.get("event") == "outer step":
             swarm_round[0] = max(swarm_round[0], int(event["round"]) + 1)
 
-    def start(i: int, initial: str | None) -> Peer:
+    def start(i: int, initial: list[str]) -> Peer:
         cmd = base + ["--set", f"checkpoint.dir={workdir / f'peer{i}'}"]
-        if initial:
-            cmd += ["--initial-peers", initial]
+        for maddr in initial:
+            cmd += ["--initial-peers", maddr]
         p = Peer(i, cmd, workdir / f"peer{i}-{starts[i]}.log", on_event)
         starts[i] += 1
         current[i] = p
         all_procs.append(p)
         return p
 
-    def live_maddr(exclude: int) -> str:
-        for j, p in current.items():
-            if j != exclude and p.proc.poll() is None and p.maddr():
-                return p.maddr()
-        raise RuntimeError("no live peer to rejoin through")
+    def live_maddrs(exclude: int) -> list[str]:
+        # Every live peer's address, as a volunteer would pass several: any one of them may die meanwhile.
+        found = [
+            p.maddr() for j, p in current.items() if j != exclude and p.proc.poll() is None and p.maddr()
+        ]
+        if not found:
+            raise RuntimeError("no live peer to rejoin through")
+        return found
+
+    def settled(p: Peer) -> bool:
+        return any(e.get("event") == "outer step" for e in p.events)
 
     t0 = time.monotonic()
     kills: list[dict] = []
     down: dict[int, float] = {}  # peer index -> monotonic time to restart it
     try:
-        start(0, None)
+        start(0, [])
         while not current[0].maddr():
             time.sleep(0.1)
         for i in range(1, peers):
-            start(i, current[0].maddr())
+            start(i, [current[0].maddr()])
         next_kill = time.monotonic() + rng.uniform(15, 35)
         deadline = time.monotonic() + 3600
         while any(p.proc.poll() is None for p in current.values()) or down:
@@ -95,13 +100,12 @@ def run_swarm(cfg, config_path: Path, sets: list[str], peers: int, workdir: Path
             for i, at in list(down.items()):
                 if now >= at:
                     del down[i]
-                    start(i, live_maddr(exclude=i))
+                    start(i, live_maddrs(exclude=i))
             # Churn stops 4 rounds before the end, so that the last restarted peer can rejoin and finish.
             if churn and now >= next_kill and swarm_round[0] < cfg.outer.num_rounds - 4:
                 alive = [i for i, p in current.items() if p.proc.poll() is None and i not in down]
-                if (
-                    len(alive) == peers
-                ):  # at most one peer down at a time: someone must stay to rejoin through
+                # One peer down at a time, and only once every peer is back in the rounds.
+                if len(alive) == peers and all(settled(current[i]) for i in alive):
                     victim = rng.choice(alive)
                     current[victim].proc.kill()
                     current[victim].proc.wait()
@@ -118,7 +122,8 @@ def run_swarm(cfg, config_path: Path, sets: list[str], peers: int, workdir: Path
                 next_kill = now + rng.uniform(15, 35)
             failed = [p for i, p in current.items() if i not in down and p.proc.poll() not in (None, 0)]
             if failed:
-                raise RuntimeError(f"peer {failed[0].index} exited with {failed[0].proc.returncode}")
+                p = failed[0]
+                raise RuntimeError(f"peer {p.index} exited with {p.proc.returncode}; see {p.log_path}")
             time.sleep(0.2)
     finally:
         for p in all_procs:
@@ -169,11 +174,11 @@ def main(argv: list[str] | None = None) -> None:
     sets = [*args.sets, f"outer.num_rounds={args.rounds}"]
     cfg = load_config(args.config, overrides=parse_set(sets))
 
-    with tempfile.TemporaryDirectory(prefix="p2ptrain-churn-") as tmp:
-        calm = run_swarm(cfg, args.config, sets, args.peers, Path(tmp) / "calm", churn=False, seed=args.seed)
-        print(f"calm:  {json.dumps({k: v for k, v in calm.items() if k != 'kills'})}", flush=True)
-        churn = run_swarm(cfg, args.config, sets, args.peers, Path(tmp) / "churn", churn=True, seed=args.seed)
-        print(f"churn: {json.dumps(churn)}", flush=True)
+    logs = ROOT / "runs" / "bench-churn"  # the peers' logs stay here for a look after the run
+    calm = run_swarm(cfg, args.config, sets, args.peers, logs / "calm", churn=False, seed=args.seed)
+    print(f"calm:  {json.dumps({k: v for k, v in calm.items() if k != 'kills'})}", flush=True)
+    churn = run_swarm(cfg, args.config, sets, args.peers, logs / "churn", churn=True, seed=args.seed)
+    print(f"churn: {json.dumps(churn)}", flush=True)
 
     result = {
         "benchmark": "churn",
