@@ -72,6 +72,13 @@ def swarm_flags(
     )
 
 
+def _status_listen_addr(initial_peers: list[str]) -> str:
+    from p2ptrain.swarm import is_loopback
+
+    loopback = initial_peers and all(is_loopback(m) for m in initial_peers)
+    return "/ip4/127.0.0.1/tcp/0" if loopback else "/ip4/0.0.0.0/tcp/0"
+
+
 def resolve(config: Path | None, sets: list[str] | None, flags: dict[str, dict[str, Any]]) -> Any:
     """Config from file + env + flags; ConfigError becomes exit 2 with the field path."""
     try:
@@ -241,9 +248,12 @@ def status(
         set_,
         {
             "run": dict(run_id=run_id),
-            # A reader: it accepts no connections and listens on loopback only.
+            # A reader: a DHT client that serves nothing and maps no ports; on loopback when the swarm is.
             "swarm": dict(
-                initial_peers=_split(initial_peers), client_mode=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"]
+                initial_peers=_split(initial_peers),
+                client_mode=True,
+                nat_port_map=False,
+                host_maddrs=[_status_listen_addr(_split(initial_peers) or [])],
             ),
             "log": dict(level="error"),
         },
