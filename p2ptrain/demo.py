@@ -215,7 +215,9 @@ def run_demo(
 
     plot_path = plot_loss(
         {
-            f"peer {p.index}": [
+            # Round 0 is the shared initial model; round r + 1 holds the params after the r-th outer step.
+            f"peer {p.index}": [(0, initial_val_loss)]
+            + [
                 (int(e["round"]) + 1, float(e["val_loss"]))
                 for e in p.events
                 if e.get("event") == "outer step"

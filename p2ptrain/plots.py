@@ -32,6 +32,9 @@ def plot_loss(
                 ax.plot(xs, ys, marker="o", markersize=3, linewidth=1.4, label=name)
         if baseline is not None:
             ax.axhline(baseline, linestyle="--", color="grey", linewidth=1, label="initial")
+        from matplotlib.ticker import MaxNLocator
+
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # rounds are whole numbers
         ax.set_xlabel("round")
         ax.set_ylabel("loss (nats per byte)")
         ax.set_title(title)
