@@ -142,3 +142,12 @@ def test_the_bootstrap_node_watches_the_run_the_peers_train(compose):
     watched = parse_cli(compose["services"]["dht"]["command"]).params["run_id"]
     peer_sets = [a for a in compose["services"]["peer1"]["command"] if a.startswith("--set=run.run_id")]
     assert watched == ExperimentConfig().run.run_id and not peer_sets
+
+
+def test_the_volunteer_example_config_is_valid_and_joins_somewhere():
+    from p2ptrain.config import load_config
+
+    cfg = load_config(DEPLOY / "experiment.example.yaml")
+    assert cfg.swarm.initial_peers and cfg.checkpoint.every_rounds > 0
+    unit = (DEPLOY / "p2ptrain.service").read_text()
+    assert "--config /etc/p2ptrain/experiment.yaml" in unit
