@@ -150,7 +150,10 @@ class ExactAllReduceRunner(AllReduceRunner):
         try:
             done_sending = asyncio.Event()
             inputs_aiter = attach_event_on_finished(self._generate_input_for_peer(peer_index), done_sending)
-            stream = await self._get_peer_stub(peer_id).rpc_aggregate_part(inputs_aiter)
+            # Opening the stream has no timeout of its own in hivemind; a groupmate that died can hold it open.
+            stream = await asyncio.wait_for(
+                self._get_peer_stub(peer_id).rpc_aggregate_part(inputs_aiter), self.reducer_timeout
+            )
             if self.should_delay_results(self.peer_id):
                 await done_sending.wait()
 

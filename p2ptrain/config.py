@@ -218,9 +218,11 @@ class SwarmConfig(_Section):
     """A peer whose record is older than this is considered gone."""
     state_download_timeout_s: float = Field(default=60.0, gt=0.0)
     """Give up downloading the swarm's state from one donor after this long and try the next."""
-    linger_s: float = Field(default=30.0, ge=0.0)
-    """After its last round, a peer stays this long at most so that slower peers can finish and check
-    their final state against it."""
+    linger_s: float = Field(default=300.0, ge=0.0)
+    """After its last round, a peer stays this long at most (it leaves as soon as every other live peer is
+    done) so that slower peers can finish, load its state if their last sync failed, and check their final
+    params against it. At least (1 + averaging.retries) x (averaging.matchmaking_timeout_s +
+    averaging.allreduce_timeout_s), the longest a failed sync can take; 0: leave at once."""
     split_warning_s: float = Field(default=120.0, gt=0.0)
     """Warn in the logs when other peers have seen a different set of live peers than this one, or a round
     two or more apart, for this long: a sign that the swarm's DHT is split or that peers cannot reach
@@ -316,6 +318,18 @@ class ExperimentConfig(BaseSettings):
     """Logging."""
     metrics: MetricsConfig = MetricsConfig()
     """Prometheus metrics (docs/deploy.md#monitoring)."""
+
+    @model_validator(mode="after")
+    def _check_linger(self) -> ExperimentConfig:
+        a = self.averaging
+        worst_sync = (1 + a.retries) * (a.matchmaking_timeout_s + a.allreduce_timeout_s)
+        if 0 < self.swarm.linger_s < worst_sync:
+            # Otherwise a peer stuck in a failed last sync finds everyone gone and ends with its own params.
+            raise ValueError(
+                f"swarm.linger_s ({self.swarm.linger_s}) must be 0 or at least (1 + averaging.retries) x "
+                f"(averaging.matchmaking_timeout_s + averaging.allreduce_timeout_s) = {worst_sync}"
+            )
+        return self
 
     @classmethod
     def settings_customise_sources(

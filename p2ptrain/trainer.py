@@ -401,9 +401,9 @@ class Trainer:
                 "pseudo-gradient has NaN or Inf: not sent, this round's local work dropped, state kept",
                 round=report.round,
             )
+        duration = time.monotonic() - stats.started  # the round itself, before this peer's evaluation
         val_loss = self.evaluate()
         self.val_losses.append((self.round, val_loss))
-        duration = time.monotonic() - stats.started
         if report.applied:
             telemetry.OUTER_STEPS.inc()
         if report.failure in telemetry.FAILURE_REASONS:

@@ -113,3 +113,13 @@ def test_training_hash_ignores_local_sections():
 def test_docs_config_reference_is_current():
     doc = (ROOT / "docs" / "config.md").read_text()
     assert doc.strip() == reference_markdown().strip(), "run: p2ptrain config reference > docs/config.md"
+
+
+def test_linger_must_outlast_a_failed_sync():
+    with pytest.raises(ConfigError, match=r"swarm.linger_s \(30.0\) must be 0 or at least .* = 270.0"):
+        load_config(None, {"swarm": {"linger_s": 30}})
+    assert load_config(None, {"swarm": {"linger_s": 0}}).swarm.linger_s == 0  # leaving at once is a choice
+    cfg = load_config(
+        None, {"swarm": {"linger_s": 100}, "averaging": {"retries": 0, "allreduce_timeout_s": 80}}
+    )
+    assert cfg.swarm.linger_s == 100
