@@ -11,7 +11,12 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
+from p2ptrain import checkpoint
+from p2ptrain.data import Corpus, load_corpus
+from p2ptrain.models import build_model
+from p2ptrain.trainer import evaluate
 from tests.conftest import ROOT
 
 TINY = ROOT / "configs" / "tiny.yaml"
@@ -167,3 +172,14 @@ def join_args(tmp_path: Path, name: str, run_id: str, *extra: str) -> list[str]:
         f"checkpoint.dir={tmp_path / name}",
         *extra,
     ]
+
+
+def val_losses(loaded: checkpoint.LoadedModel) -> tuple[float, float]:
+    """Validation loss of the run's initial model and of ``loaded``'s params."""
+    cfg = loaded.config
+    corpus = Corpus.from_bytes(load_corpus(cfg.data), cfg.model.context_length, cfg.data.val_fraction)
+    initial = build_model(cfg.model.name, cfg.model.context_length, seed=cfg.run.seed)
+    final = build_model(cfg.model.name, cfg.model.context_length)
+    checkpoint.load_into(final, loaded)
+    cpu = torch.device("cpu")
+    return evaluate(initial, corpus, cfg, cpu)["val_loss"], evaluate(final, corpus, cfg, cpu)["val_loss"]

@@ -1,7 +1,7 @@
 """Peers crash (kill -9) mid-round, half the swarm at once, and come back: the rest finish together.
 
-After each: the survivors finish every round with identical params and a falling validation loss, no
-outer step is applied twice, and no child process of a killed peer is left behind.
+After each: the survivors finish every round with identical params that beat the initial model's validation
+loss, no outer step is applied twice, and no child process of a killed peer is left behind.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from collections.abc import Callable
 import pytest
 
 from p2ptrain import checkpoint
-from tests.integration.conftest import PeerProcess, join_args, wait_until_gone
+from tests.integration.conftest import PeerProcess, join_args, val_losses, wait_until_gone
 
 pytestmark = pytest.mark.integration
 
@@ -55,12 +55,14 @@ def assert_finished_together(tmp_path, peers: dict[str, PeerProcess], rounds: in
     finals = {name: checkpoint.load(tmp_path / name / "final.safetensors") for name in peers}
     assert {f.round for f in finals.values()} == {rounds}
     assert len({f.params_sha256() for f in finals.values()}) == 1, "survivors disagree on the final params"
-    first_val_loss = min((p.outer_steps()[0] for p in peers.values()), key=lambda s: s["round"])["val_loss"]
     for name, p in peers.items():
-        steps = p.outer_steps()
-        done = [s["round"] for s in steps]
+        done = [s["round"] for s in p.outer_steps()]
         assert done == sorted(set(done)), f"{name} applied an outer step twice: {done}"
-        assert steps[-1]["val_loss"] < first_val_loss, f"{name}: validation loss did not fall"
+    # The swarm learned: the final params (the same on every survivor) against the initial model. Not the
+    # last logged round of each peer: a late joiner logs only its last rounds, and a peer whose last sync
+    # failed logs that round and then loads the swarm's final state.
+    initial, final = val_losses(next(iter(finals.values())))
+    assert final < initial - 0.5, f"validation loss {initial:.4f} -> {final:.4f}"
 
 
 def assert_no_orphans(victims: list[PeerProcess]) -> None:
