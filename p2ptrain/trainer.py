@@ -271,6 +271,7 @@ class Trainer:
         bar = InnerProgress(
             terminal_progress_enabled(cfg.log.format), total=cfg.inner.num_inner_steps, round=self.round
         )
+        running_loss = lambda: float(loss_sum) / max(stats.steps, 1)  # noqa: E731 - read only when the bar redraws
         with bar:
             for _ in range(cfg.inner.num_inner_steps):
                 if self.stop.is_set():
@@ -279,7 +280,7 @@ class Trainer:
                 loss_sum.add_(loss.detach())
                 stats.steps += 1
                 stats.samples += cfg.inner.batch_size
-                bar.update(stats.steps, stats.samples, lambda: float(loss_sum) / stats.steps)
+                bar.update(stats.steps, stats.samples, running_loss)
                 if time.monotonic() - last_beat > cfg.swarm.heartbeat_s:
                     last_beat = time.monotonic()
                     elapsed = last_beat - stats.started

@@ -95,20 +95,22 @@ def _inner_steps(model, opt, n, seed):
         opt.zero_grad()
 
 
+def _with_inner_optimizer(seed=0):
+    model = build_model("gpt-nano", 16, seed=seed)
+    d = DiLoCo(model, lr=0.7, momentum=0.9, nesterov=True)
+    return model, d, torch.optim.AdamW(d.model_params, lr=1e-3)
+
+
 def test_inner_optimizer_state_and_counters_resume_exactly(tmp_path):
     """Continuing after a restart gives the very params that continuing without one gives."""
     cfg = ExperimentConfig()
-    model = build_model("gpt-nano", 16)
-    d = DiLoCo(model, lr=0.7, momentum=0.9, nesterov=True)
-    opt = torch.optim.AdamW(d.model_params, lr=1e-3)
+    model, d, opt = _with_inner_optimizer()
     _inner_steps(model, opt, 3, seed=0)
     d.sync(None, weight=1, round=0)
     path = tmp_path / "m.safetensors"
     checkpoint.save(path, model, d, cfg, inner_optimizer=opt, counters={"inner_steps_total": 3})
 
-    restored = build_model("gpt-nano", 16, seed=9)
-    d2 = DiLoCo(restored, lr=0.7, momentum=0.9, nesterov=True)
-    opt2 = torch.optim.AdamW(d2.model_params, lr=1e-3)
+    restored, d2, opt2 = _with_inner_optimizer(seed=9)
     state = checkpoint.load_state(restored, path, cfg.training_hash())
     d2.load_state_tensors(state.outer, round=state.round)
     state.load_inner_into(opt2)
@@ -122,9 +124,7 @@ def test_inner_optimizer_state_and_counters_resume_exactly(tmp_path):
 
 def test_corrupted_optimizer_state_is_refused(tmp_path):
     cfg = ExperimentConfig()
-    model = build_model("gpt-nano", 16)
-    d = DiLoCo(model, lr=0.7, momentum=0.9, nesterov=True)
-    opt = torch.optim.AdamW(d.model_params, lr=1e-3)
+    model, d, opt = _with_inner_optimizer()
     _inner_steps(model, opt, 1, seed=0)
     path = tmp_path / "m.safetensors"
     checkpoint.save(path, model, d, cfg, inner_optimizer=opt)
