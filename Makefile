@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: setup demo test test-unit test-integration lint bench clean
+.PHONY: setup demo test test-unit test-integration test-under-load lint bench clean
 
 setup: $(STAMP)
 
@@ -22,11 +22,16 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
+# No network, no p2pd (tests/conftest.py refuses sockets in unit tests): seconds, anywhere.
 test-unit: $(STAMP)
-	$(BIN)/python -m pytest -q tests --ignore=tests/integration
+	$(BIN)/python -m pytest -q -m "not integration"
 
 test-integration: $(STAMP)
-	$(BIN)/python -m pytest -q tests/integration
+	$(BIN)/python -m pytest -q -m integration
+
+# The suite 5 times in a row beside 2 CPU-bound processes: it must not depend on timing.
+test-under-load: $(STAMP)
+	$(BIN)/python -m tests.under_load --runs 5 --hogs 2 --json bench/results/test-suite.json
 
 lint: $(STAMP)
 	$(BIN)/ruff check p2ptrain tests bench

@@ -17,19 +17,15 @@ import json
 import platform
 import random
 import shutil
-import sys
 import time
 from pathlib import Path
 
 import torch
 
 from bench.report import DOC, replace_block
-from p2ptrain import checkpoint
 from p2ptrain.config import load_config, parse_set
-from p2ptrain.data import Corpus, load_corpus
-from p2ptrain.demo import LOOPBACK, Peer
-from p2ptrain.models import build_model
-from p2ptrain.trainer import evaluate
+from p2ptrain.evaluation import Evaluator
+from p2ptrain.localswarm import LOOPBACK, PeerProcess
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -40,7 +36,7 @@ def run_swarm(cfg, config_path: Path, sets: list[str], peers: int, workdir: Path
     run_id = f"churn-{'on' if churn else 'off'}-{seed}-{int(time.time())}"
     shutil.rmtree(workdir, ignore_errors=True)
     workdir.mkdir(parents=True)
-    base = [sys.executable, "-m", "p2ptrain", "join", "--config", str(config_path), "--host-maddrs", LOOPBACK]
+    base = ["join", "--config", str(config_path), "--host-maddrs", LOOPBACK]
     base += ["--log-format", "json"]
     for item in [
         *sets,
@@ -52,20 +48,20 @@ def run_swarm(cfg, config_path: Path, sets: list[str], peers: int, workdir: Path
     ]:
         base += ["--set", item]
 
-    current: dict[int, Peer] = {}
-    all_procs: list[Peer] = []
+    current: dict[int, PeerProcess] = {}
+    all_procs: list[PeerProcess] = []
     starts = {i: 0 for i in range(peers)}
     swarm_round = [0]
 
-    def on_event(_peer: Peer, event: dict) -> None:
+    def on_event(_peer: PeerProcess, event: dict) -> None:
         if event.get("event") == "outer step":
             swarm_round[0] = max(swarm_round[0], int(event["round"]) + 1)
 
-    def start(i: int, initial: list[str]) -> Peer:
+    def start(i: int, initial: list[str]) -> PeerProcess:
         cmd = base + ["--set", f"checkpoint.dir={workdir / f'peer{i}'}"]
         for maddr in initial:
             cmd += ["--initial-peers", maddr]
-        p = Peer(i, cmd, workdir / f"peer{i}-{starts[i]}.log", on_event)
+        p = PeerProcess(cmd, workdir / f"peer{i}-{starts[i]}.log", on_event=on_event, index=i)
         starts[i] += 1
         current[i] = p
         all_procs.append(p)
@@ -80,8 +76,8 @@ def run_swarm(cfg, config_path: Path, sets: list[str], peers: int, workdir: Path
             raise RuntimeError("no live peer to rejoin through")
         return found
 
-    def settled(p: Peer) -> bool:
-        return any(e.get("event") == "outer step" for e in p.events)
+    def settled(p: PeerProcess) -> bool:
+        return bool(p.outer_steps())
 
     t0 = time.monotonic()
     kills: list[dict] = []
@@ -130,22 +126,16 @@ def run_swarm(cfg, config_path: Path, sets: list[str], peers: int, workdir: Path
             p.stop()
     wall_s = time.monotonic() - t0
 
-    corpus = Corpus.from_bytes(load_corpus(cfg.data), cfg.model.context_length, cfg.data.val_fraction)
+    evaluator = Evaluator()
     losses, hashes = [], []
     for i in range(peers):
-        path = workdir / f"peer{i}" / "final.safetensors"
-        loaded = checkpoint.load(path)
-        model = build_model(loaded.config.model.name, loaded.config.model.context_length)
-        checkpoint.load_into(model, loaded, path)
-        losses.append(evaluate(model, corpus, cfg, torch.device("cpu"))["val_loss"])
+        loaded, metrics = evaluator.file(workdir / f"peer{i}" / "final.safetensors")
+        losses.append(metrics["val_loss"])
         hashes.append(loaded.params_sha256())
     contributed = {
-        (p.index, int(e["round"]))
-        for p in all_procs
-        for e in p.events
-        if e.get("event") == "outer step" and e.get("fallback") is None
+        (p.index, int(e["round"])) for p in all_procs for e in p.outer_steps() if e.get("fallback") is None
     }
-    samples = sum(int(e["samples"]) for p in all_procs for e in p.events if e.get("event") == "outer step")
+    samples = sum(int(e["samples"]) for p in all_procs for e in p.outer_steps())
     possible = peers * cfg.outer.num_rounds
     return {
         "churn": churn,

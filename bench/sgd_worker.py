@@ -16,12 +16,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from p2ptrain.config import load_config, parse_set
 from p2ptrain.data import Corpus, load_corpus
+from p2ptrain.evaluation import evaluate
+from p2ptrain.inner import inner_lr, inner_step, make_optimizer
 from p2ptrain.models import build_model
-from p2ptrain.trainer import evaluate
 
 
 def main() -> None:
@@ -45,9 +45,8 @@ def main() -> None:
     corpus = Corpus.from_bytes(load_corpus(cfg.data), cfg.model.context_length, cfg.data.val_fraction)
     model = build_model(cfg.model.name, cfg.model.context_length, cfg.model.dropout, seed=cfg.run.seed)
     train_model = torch.nn.parallel.DistributedDataParallel(model) if distributed else model
-    opt = torch.optim.AdamW(
-        model.parameters(), lr=cfg.inner.lr, betas=cfg.inner.betas, weight_decay=cfg.inner.weight_decay
-    )
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = make_optimizer(params, cfg.inner)
     steps = 0
     t0 = time.monotonic()
     for round_ in range(cfg.outer.num_rounds):
@@ -56,17 +55,10 @@ def main() -> None:
         batches = corpus.batches(starts, cfg.inner.batch_size)
         for _ in range(cfg.inner.num_inner_steps):
             x, y = next(batches)
-            warmup = cfg.inner.warmup_steps
-            lr = cfg.inner.lr * min(1.0, (steps + 1) / warmup) if warmup else cfg.inner.lr
-            for group in opt.param_groups:
-                group["lr"] = lr
-            logits = train_model(x)
-            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.reshape(-1))
-            loss.backward()  # DDP all-reduces the gradients here
-            if cfg.inner.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.inner.grad_clip)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            # The peer's own inner step; through DDP, backward() all-reduces the gradients.
+            inner_step(
+                train_model, params, opt, x, y, lr=inner_lr(cfg.inner, steps), grad_clip=cfg.inner.grad_clip
+            )
             steps += 1
     train_s = time.monotonic() - t0
     result = {"rank": args.rank, "steps": steps, "train_s": train_s}

@@ -14,13 +14,13 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from p2ptrain.config import load_config, parse_set
 from p2ptrain.data import Corpus, load_corpus
 from p2ptrain.diloco import AverageResult, DiLoCo
+from p2ptrain.evaluation import evaluate
+from p2ptrain.inner import inner_lr, inner_step, make_optimizer
 from p2ptrain.models import build_model
-from p2ptrain.trainer import evaluate
 
 
 class _Group:
@@ -41,12 +41,7 @@ def simulate(cfg, peers: int) -> dict:
     outer = [
         DiLoCo(m, lr=cfg.outer.lr, momentum=cfg.outer.momentum, nesterov=cfg.outer.nesterov) for m in models
     ]
-    inner = [
-        torch.optim.AdamW(
-            m.parameters(), lr=cfg.inner.lr, betas=cfg.inner.betas, weight_decay=cfg.inner.weight_decay
-        )
-        for m in models
-    ]
+    inner = [make_optimizer(o.model_params, cfg.inner) for o in outer]
     steps = 0
     curve = []
     for r in range(cfg.outer.num_rounds):
@@ -56,19 +51,10 @@ def simulate(cfg, peers: int) -> dict:
             )
             for s in range(cfg.inner.num_inner_steps):
                 x, y = next(batches)
-                k = steps + s
-                lr = (
-                    cfg.inner.lr * min(1.0, (k + 1) / cfg.inner.warmup_steps)
-                    if cfg.inner.warmup_steps
-                    else cfg.inner.lr
+                lr = inner_lr(cfg.inner, steps + s)
+                inner_step(
+                    models[i], outer[i].model_params, inner[i], x, y, lr=lr, grad_clip=cfg.inner.grad_clip
                 )
-                for g in inner[i].param_groups:
-                    g["lr"] = lr
-                logits = models[i](x)
-                F.cross_entropy(logits.view(-1, 256), y.reshape(-1)).backward()
-                torch.nn.utils.clip_grad_norm_(models[i].parameters(), cfg.inner.grad_clip)
-                inner[i].step()
-                inner[i].zero_grad(set_to_none=True)
         steps += cfg.inner.num_inner_steps
         deltas = [o.pseudo_gradient() for o in outer]
         group = _Group()

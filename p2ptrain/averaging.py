@@ -14,19 +14,16 @@ Three changes to hivemind 1.1.12's averager, each for a reason:
   different rounds can never be matched.
 
 It also counts the payload bytes each peer sends and receives, and lets the trainer download the
-swarm's state from a donor of its choosing.
+swarm's state from a donor of its choosing (the checks on what arrives are in ``transfer.py``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import os
-import signal
 import threading
 import time
-import typing
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -34,8 +31,9 @@ import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AllreduceException, AllReduceRunner, AveragingMode
 from hivemind.averaging.partition import TensorPartContainer
+from hivemind.compression import CompressionBase
 from hivemind.compression.serialization import combine_from_streaming
-from hivemind.p2p import P2PContext, PeerID
+from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import MPFuture
 from hivemind.utils.asyncio import (
@@ -46,41 +44,15 @@ from hivemind.utils.asyncio import (
     azip,
 )
 
-from p2ptrain.compression import deserialize, make_codec
+from p2ptrain.compression import deserialize
 from p2ptrain.config import AveragingConfig
 from p2ptrain.diloco import AverageResult, AveragingFailed
 from p2ptrain.logs import get_logger, unbind
-from p2ptrain.swarm import _ParentWatchdog
+from p2ptrain.procs import ParentWatchdog, keep_sigint_handler
 
 log = get_logger(__name__)
 
 _POLL_S = 0.25
-
-FAILPOINT_ENV = "P2PTRAIN_FAILPOINT"
-
-
-def failpoint(kind: str) -> int | str | None:
-    """Testing hooks, unset in normal use. With ``P2PTRAIN_FAILPOINT=KIND:N`` this peer dies by SIGKILL (main
-    process and averager child) at the worst moment of its N-th operation of that kind; with
-    ``KIND:@PATH``, of the first one that starts once the file PATH exists (a test arms it when it wants):
-
-    * ``allreduce``: right after it served its first averaged part, so that some groupmates hold its
-      result and others do not;
-    * ``donate``: right after it sent the first chunk of its state to a newcomer.
-    """
-    value = os.environ.get(FAILPOINT_ENV, "")
-    name, _, when = value.partition(":")
-    if name != kind:
-        return None
-    if when.startswith("@"):
-        return when[1:]
-    return int(when) if when.isdigit() else None
-
-
-def _failpoint_due(spec: int | str | None, count: int) -> bool:
-    if isinstance(spec, str):
-        return os.path.exists(spec)
-    return spec is not None and count == spec
 
 
 class _Stopped(Exception):
@@ -215,16 +187,12 @@ class ExactAllReduceRunner(AllReduceRunner):
         return deserialize(msg.tensor_part)
 
 
-class ExactAverager(_ParentWatchdog, DecentralizedAverager):
+class ExactAverager(ParentWatchdog, DecentralizedAverager):
     """hivemind's DecentralizedAverager with exact all-reduce, byte counts, chosen donors and a watchdog."""
 
     def __init__(self, *args, state_provider: Callable[[], tuple[dict, list[torch.Tensor]]], **kwargs):
         self._watched_parent_pid = os.getpid()
         self._state_provider = state_provider
-        self._allreduces = 0
-        self._die_in_allreduce = failpoint("allreduce")
-        self._donations = 0
-        self._die_in_donation = failpoint("donate")
         super().__init__(*args, **kwargs)
 
     def run(self) -> None:
@@ -250,9 +218,7 @@ class ExactAverager(_ParentWatchdog, DecentralizedAverager):
 
     async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs):
         group_id = group_info.group_id if group_id is None else group_id
-        self._allreduces += 1
-        runner = ExactAllReduceRunner(
-            on_part_served=self._die if _failpoint_due(self._die_in_allreduce, self._allreduces) else None,
+        runner = self._make_runner(
             p2p=self._p2p,
             servicer_type=type(self),
             prefix=self.prefix,
@@ -275,22 +241,9 @@ class ExactAverager(_ParentWatchdog, DecentralizedAverager):
                 f"a reducer left mid-way; {runner.tensor_part_container.failed_size} values were not averaged"
             )
 
-    async def rpc_download_state(
-        self, request: averaging_pb2.DownloadRequest, context: P2PContext
-    ) -> typing.AsyncIterator[averaging_pb2.DownloadData]:  # hivemind knows typing's alias only
-        # hivemind registers RPC handlers by these (resolved) annotations; the failpoint is the only reason
-        # to override it.
-        self._donations += 1
-        die = _failpoint_due(self._die_in_donation, self._donations)
-        async for message in super().rpc_download_state(request, context):
-            yield message
-            if die:
-                self._die()
-
-    def _die(self) -> None:
-        log.warning("failpoint: killing this peer", env=os.environ.get(FAILPOINT_ENV))
-        os.kill(self._watched_parent_pid, signal.SIGKILL)
-        os.kill(os.getpid(), signal.SIGKILL)
+    def _make_runner(self, **kwargs) -> ExactAllReduceRunner:
+        """The runner of one all-reduce (tests subclass this to fail at a chosen moment)."""
+        return ExactAllReduceRunner(**kwargs)
 
     def download_state_from(self, peers: Sequence[str], timeout: float) -> tuple[str, Any, list] | None:
         """Download ``get_current_state`` of the first of ``peers`` (base58 ids) that serves it.
@@ -339,19 +292,17 @@ class ExactAverager(_ParentWatchdog, DecentralizedAverager):
         return metadata, tensors
 
 
-@contextlib.contextmanager
-def _keep_sigint_handler():
-    # hivemind's run_in_background sets SIGINT to "ignore" in the *calling* process, so that Ctrl-C
-    # reaches only the main process; we restore our handler afterwards (the children keep ignoring it).
-    previous = signal.getsignal(signal.SIGINT)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-
-
 class SwarmAverager:
-    """The :class:`p2ptrain.diloco.Averager` of a real swarm: one hivemind averager per peer, one group per round."""
+    """The :class:`p2ptrain.diloco.Averager` of a real swarm: one hivemind averager per peer, one group per
+    round; it also downloads the swarm's state from a chosen donor.
+
+    Args:
+        codec: the wire format; the same object error feedback rounds with, so that what it keeps is
+            exactly what this averager's wire drops.
+        state_provider: what we serve to a newcomer (``transfer.donation``); runs in a thread of this process.
+        stop: set it to cancel an all-reduce in progress.
+        averager_cls: tests pass a subclass that fails at a chosen moment.
+    """
 
     def __init__(
         self,
@@ -360,17 +311,19 @@ class SwarmAverager:
         run_id: str,
         shapes: Sequence[torch.Size],
         cfg: AveragingConfig,
+        codec: CompressionBase,
         client_mode: bool,
         state_provider: Callable[[], tuple[dict, list[torch.Tensor]]],
         stop: threading.Event | None = None,
+        averager_cls: type[ExactAverager] = ExactAverager,
     ):
         self.cfg = cfg
         self.stop = stop or threading.Event()
         # Averaged tensors must be CPU shared memory: the averager child reads and writes them.
         self.buffers = [torch.zeros(shape, dtype=torch.float32) for shape in shapes]
         self.peer_id = dht.peer_id.to_base58()
-        with _keep_sigint_handler():
-            self._averager = ExactAverager(
+        with keep_sigint_handler():
+            self._averager = averager_cls(
                 self.buffers,
                 dht,
                 prefix=f"{run_id}_diloco",
@@ -382,9 +335,7 @@ class SwarmAverager:
                 request_timeout=cfg.request_timeout_s,
                 allreduce_timeout=cfg.allreduce_timeout_s,
                 next_chunk_timeout=cfg.next_chunk_timeout_s,
-                compression=make_codec(
-                    cfg.compression, block_size=cfg.block_size, small_tensor_numel=cfg.small_tensor_numel
-                ),
+                compression=codec,
                 client_mode=client_mode,
                 allow_state_sharing=not client_mode,
                 declare_state_period=10,
@@ -417,7 +368,9 @@ class SwarmAverager:
                 errors.append(f"attempt {attempt + 1}: no group")
                 continue
             gathered = out["gathered"]
-            rounds = {g.get("round") for g in gathered.values() if isinstance(g, dict)}
+            # What groupmates sent about themselves: never trusted to be well formed.
+            infos = [g if isinstance(g, dict) else {} for g in gathered.values()]
+            rounds = {g.get("round") for g in infos}
             if rounds != {round}:  # cannot happen with round-keyed groups; never apply a mixed average
                 errors.append(f"attempt {attempt + 1}: groupmates of rounds {sorted(map(str, rounds))}")
                 continue
@@ -428,7 +381,7 @@ class SwarmAverager:
                 group_size=len(gathered),
                 bytes_sent=out["bytes_sent"],
                 bytes_received=out["bytes_received"],
-                peers=sorted(g["peer"] for g in gathered.values() if isinstance(g, dict)),
+                peers=sorted(str(g.get("peer", "?"))[:128] for g in infos),
             )
         reason = (
             "no_group"

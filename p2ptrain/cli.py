@@ -15,6 +15,7 @@ from typing import Annotated, Any
 
 import typer
 
+from p2ptrain.addrs import SwarmError, is_loopback, write_maddrs_file
 from p2ptrain.config import ConfigError, deep_merge, load_config, parse_set, reference_markdown
 
 app = typer.Typer(
@@ -73,8 +74,6 @@ def swarm_flags(
 
 
 def _status_listen_addr(initial_peers: list[str]) -> str:
-    from p2ptrain.swarm import is_loopback
-
     loopback = initial_peers and all(is_loopback(m) for m in initial_peers)
     return "/ip4/127.0.0.1/tcp/0" if loopback else "/ip4/0.0.0.0/tcp/0"
 
@@ -136,7 +135,6 @@ def join(
     from p2ptrain import logs
 
     logs.configure(cfg.log.level, cfg.log.format, run_id=cfg.run.run_id)
-    from p2ptrain.swarm import SwarmError
     from p2ptrain.trainer import Trainer
 
     stop = threading.Event()
@@ -154,13 +152,17 @@ def join(
 
     trainer = Trainer(cfg, stop=stop, on_started=announce)
     try:
-        final = trainer.run()
+        result = trainer.run()
     except SwarmError as e:
         raise fail(str(e), EXIT_RUNTIME) from None
     except ValueError as e:  # user-facing problems found at setup (device not available, corpus too small)
         raise fail(str(e), EXIT_USAGE) from None
-    if final is not None:
-        typer.echo(f"Final model: {final}")
+    if not result.ok:  # it ended without the swarm's final model: say so, and never as final.safetensors
+        raise fail(result.reason, EXIT_RUNTIME)
+    if result.path is not None and result.path.name == "final.safetensors":
+        typer.echo(f"Final model: {result.path}")
+    else:
+        typer.echo(f"Stopped; this peer's state is in {result.path} (started again, it resumes from it)")
 
 
 @app.command()
@@ -196,7 +198,7 @@ def dht(
         },
     )
     from p2ptrain import logs, telemetry
-    from p2ptrain.swarm import SwarmError, create_dht, live_records, progress_validators, write_maddrs_file
+    from p2ptrain.swarm import create_dht, live_records, progress_validators
 
     logs.configure(cfg.log.level, cfg.log.format, run_id=cfg.run.run_id)
     stop = threading.Event()
@@ -264,7 +266,7 @@ def status(
         )
     from p2ptrain import logs
     from p2ptrain.status import render, summarize
-    from p2ptrain.swarm import SwarmError, create_dht, live_records, progress_validators
+    from p2ptrain.swarm import create_dht, live_records, progress_validators
 
     logs.configure("error", "json" if as_json else cfg.log.format)
     try:
@@ -316,30 +318,17 @@ def eval_(
     ] = None,
 ) -> None:
     """Report validation loss, perplexity and next-byte accuracy of model files."""
-    import torch
-
-    from p2ptrain.checkpoint import CheckpointError, load_into
-    from p2ptrain.checkpoint import load as load_checkpoint
-    from p2ptrain.data import Corpus, load_corpus
-    from p2ptrain.models import build_model
-    from p2ptrain.trainer import evaluate
+    from p2ptrain.checkpoint import CheckpointError
+    from p2ptrain.evaluation import Evaluator
 
     series: dict[str, list[tuple[int, float]]] = {}
-    corpora: dict[str, Corpus] = {}
+    evaluator = Evaluator()
     for path in checkpoint_paths:
         try:
-            loaded = load_checkpoint(path)
-            cfg = loaded.config
-            model = build_model(cfg.model.name, cfg.model.context_length)
-            load_into(model, loaded, path)
-            key = cfg.data.model_dump_json() + str(cfg.model.context_length)
-            if key not in corpora:
-                corpora[key] = Corpus.from_bytes(
-                    load_corpus(cfg.data), cfg.model.context_length, cfg.data.val_fraction
-                )
+            loaded, metrics = evaluator.file(path)
         except (CheckpointError, OSError) as e:
             raise fail(str(e), EXIT_RUNTIME) from None
-        metrics = evaluate(model, corpora[key], cfg, torch.device("cpu"))
+        cfg = loaded.config
         result = {"checkpoint": str(path), "round": loaded.round, "run_id": cfg.run.run_id, **metrics}
         peer = loaded.metadata.get("peer_id", "")[-8:] or path.parent.name
         series.setdefault(peer, []).append((loaded.round, metrics["val_loss"]))

@@ -34,6 +34,8 @@ from hivemind.compression import (
 )
 from hivemind.proto import runtime_pb2
 
+from p2ptrain.config import AveragingConfig
+
 # Our codecs' values of the wire enum. hivemind's own end at 5; proto3 keeps unknown values, and
 # p2ptrain's runner decodes with :func:`deserialize`, which knows them.
 INT8_BLOCKWISE = 64
@@ -154,6 +156,12 @@ def make_codec(
         quantizer = BlockwiseQuantization(8 if name == "int8" else 4, block_size, part_size_bytes)
         return SizeAdaptiveCompression(small_tensor_numel, less=Float16Compression(), greater_equal=quantizer)
     raise ValueError(f"unknown compression {name!r}")
+
+
+def codec_for(cfg: AveragingConfig) -> CompressionBase:
+    """The codec of an ``averaging`` config section. Build it once per peer: error feedback and the
+    averager must round with the very same codec for the residual to be exactly what the wire drops."""
+    return make_codec(cfg.compression, block_size=cfg.block_size, small_tensor_numel=cfg.small_tensor_numel)
 
 
 def roundtrip(

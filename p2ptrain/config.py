@@ -27,6 +27,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from p2ptrain.addrs import parse_multiaddr
+
 ENV_PREFIX = "P2PTRAIN_"
 
 _RUN_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -218,6 +220,11 @@ class SwarmConfig(_Section):
     """A peer whose record is older than this is considered gone."""
     state_download_timeout_s: float = Field(default=60.0, gt=0.0)
     """Give up downloading the swarm's state from one donor after this long and try the next."""
+    catch_up_timeout_s: float = Field(default=300.0, gt=0.0)
+    """A peer behind the swarm never trains a round the swarm has left behind: it keeps asking every live
+    peer that holds the swarm's newer state (with backoff). If none is alive for this long (they crashed or
+    left), it stops with exit code 1 and keeps its own state in interrupted.safetensors; at once if the swarm
+    has finished the run."""
     linger_s: float = Field(default=300.0, ge=0.0)
     """After its last round, a peer stays this long at most (it leaves as soon as every other live peer is
     done) so that slower peers can finish, load its state if their last sync failed, and check their final
@@ -231,8 +238,6 @@ class SwarmConfig(_Section):
     @field_validator("initial_peers", "host_maddrs", "announce_maddrs")
     @classmethod
     def _check_maddrs(cls, values: list[str]) -> list[str]:
-        from p2ptrain.swarm import parse_multiaddr  # local import: swarm imports hivemind
-
         for value in values:
             parse_multiaddr(value)
         return values

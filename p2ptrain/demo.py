@@ -7,11 +7,8 @@ prints a summary. Every process it starts is stopped before it returns, also on 
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import signal
-import subprocess
 import sys
 import threading
 import time
@@ -21,89 +18,19 @@ from pathlib import Path
 from typing import Any
 
 from p2ptrain.config import ExperimentConfig
+from p2ptrain.localswarm import LOOPBACK, PeerProcess, PeerProcessError
 from p2ptrain.plots import plot_loss
-
-LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 
 
 class DemoError(RuntimeError):
     pass
 
 
-class Peer:
-    """One peer process, its stdout (addresses, final path) and its stderr (JSON log lines) followed."""
-
-    def __init__(self, index: int, cmd: list[str], log_path: Path, on_event):
-        self.index = index
-        self.log_path = log_path
-        self.stdout_lines: list[str] = []
-        self.events: list[dict] = []
-        self._log = open(log_path, "w")
-        self.proc = subprocess.Popen(
-            cmd,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            bufsize=1,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
-        self._on_event = on_event
-        self._threads = [
-            threading.Thread(target=self._read_stdout, daemon=True),
-            threading.Thread(target=self._read_stderr, daemon=True),
-        ]
-        for t in self._threads:
-            t.start()
-
-    def _read_stdout(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.stdout_lines.append(line.rstrip("\n"))
-
-    def _read_stderr(self) -> None:
-        assert self.proc.stderr is not None
-        for line in self.proc.stderr:
-            self._log.write(line)
-            self._log.flush()
-            try:
-                event = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(event, dict):
-                self.events.append(event)
-                self._on_event(self, event)
-
-    def maddr(self) -> str | None:
-        for line in self.stdout_lines:
-            for word in line.split():
-                if word.startswith("/ip4/127.0.0.1/"):
-                    return word
-        return None
-
-    def stop(self, grace_s: float = 20.0) -> None:
-        """SIGTERM, then SIGKILL after the grace period; our peers shut hivemind down on SIGTERM."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        for t in self._threads:
-            t.join(timeout=5)
-        self._log.close()
-
-
 def run_demo(
     cfg: ExperimentConfig, *, peers: int, workdir: Path, config_path: Path | None, sets: list[str]
 ) -> dict[str, Any]:
     """Run the swarm to the end and return the summary (also printed)."""
-    import torch
-
-    from p2ptrain import checkpoint
-    from p2ptrain.data import Corpus, load_corpus
-    from p2ptrain.models import build_model
-    from p2ptrain.trainer import evaluate
+    from p2ptrain.evaluation import Evaluator
 
     t0 = time.monotonic()
     run_id = f"demo-{uuid.uuid4().hex[:8]}"  # a fresh run: never mix with an earlier demo's records
@@ -115,7 +42,7 @@ def run_demo(
         else:
             old.unlink()
     threads = cfg.device.num_threads or max(1, (os.cpu_count() or 1) // peers)
-    base = [sys.executable, "-m", "p2ptrain", "join", "--host-maddrs", LOOPBACK, "--log-format", "json"]
+    base = ["join", "--host-maddrs", LOOPBACK, "--log-format", "json"]
     if config_path is not None:
         base += ["--config", str(config_path)]
     for item in sets:
@@ -131,9 +58,8 @@ def run_demo(
         f"swarm.min_peers={peers}",
     ]
 
-    corpus = Corpus.from_bytes(load_corpus(cfg.data), cfg.model.context_length, cfg.data.val_fraction)
-    initial = build_model(cfg.model.name, cfg.model.context_length, seed=cfg.run.seed)
-    initial_val_loss = evaluate(initial, corpus, cfg, torch.device("cpu"))["val_loss"]
+    evaluator = Evaluator()
+    initial_val_loss = evaluator.initial(cfg)["val_loss"]
 
     print(
         f"p2ptrain demo: {peers} peers on 127.0.0.1, {cfg.model.name}, {cfg.outer.num_rounds} rounds of "
@@ -143,7 +69,7 @@ def run_demo(
     rounds: dict[int, dict[int, dict]] = defaultdict(dict)
     lock = threading.Lock()
 
-    def on_event(peer: Peer, event: dict) -> None:
+    def on_event(peer: PeerProcess, event: dict) -> None:
         if event.get("event") != "outer step":
             return
         with lock:
@@ -161,7 +87,7 @@ def run_demo(
                     flush=True,
                 )
 
-    procs: list[Peer] = []
+    procs: list[PeerProcess] = []
     first_maddr = ""
     try:
         for i in range(peers):
@@ -169,9 +95,12 @@ def run_demo(
             cmd = base + ["--set", f"checkpoint.dir={peer_dir}"]
             if i > 0:
                 cmd += ["--initial-peers", first_maddr]
-            procs.append(Peer(i, cmd, workdir / f"peer{i}.log", on_event))
+            procs.append(PeerProcess(cmd, workdir / f"peer{i}.log", on_event=on_event, index=i))
             if i == 0:
-                first_maddr = _wait_for_maddr(procs[0], timeout_s=90)
+                try:
+                    first_maddr = procs[0].wait_for_maddr(timeout_s=90)
+                except PeerProcessError as e:
+                    raise DemoError(f"the first peer: {e}") from None
         deadline = time.monotonic() + _run_timeout_s(cfg)
         while any(p.proc.poll() is None for p in procs):
             if time.monotonic() > deadline:
@@ -198,11 +127,8 @@ def run_demo(
     per_peer = []
     for i in range(peers):
         path = workdir / f"peer{i}" / "final.safetensors"
-        loaded = checkpoint.load(path)
-        model = build_model(loaded.config.model.name, loaded.config.model.context_length)
-        checkpoint.load_into(model, loaded, path)
-        metrics = evaluate(model, corpus, cfg, torch.device("cpu"))
-        per_round = [e.get("bytes_sent", 0) for e in procs[i].events if e.get("event") == "outer step"]
+        loaded, metrics = evaluator.file(path)
+        per_round = [e.get("bytes_sent", 0) for e in procs[i].outer_steps()]
         per_peer.append(
             {
                 "path": str(path),
@@ -217,11 +143,7 @@ def run_demo(
         {
             # Round 0 is the shared initial model; round r + 1 holds the params after the r-th outer step.
             f"peer {p.index}": [(0, initial_val_loss)]
-            + [
-                (int(e["round"]) + 1, float(e["val_loss"]))
-                for e in p.events
-                if e.get("event") == "outer step"
-            ]
+            + [(int(e["round"]) + 1, float(e["val_loss"])) for e in p.outer_steps()]
             for p in procs
         },
         workdir / "val_loss.png",
@@ -230,9 +152,7 @@ def run_demo(
     )
     final_losses = [p["val_loss"] for p in per_peer]
     hashes = [p["sha256"] for p in per_peer]
-    samples_total = sum(
-        int(e.get("samples", 0)) for p in procs for e in p.events if e.get("event") == "outer step"
-    )
+    samples_total = sum(int(e.get("samples", 0)) for p in procs for e in p.outer_steps())
     identical = len(set(hashes)) == 1
     learned = max(final_losses) < initial_val_loss - 0.1
     summary = {
@@ -254,18 +174,6 @@ def run_demo(
     }
     _print_summary(summary, per_peer)
     return summary
-
-
-def _wait_for_maddr(peer: Peer, timeout_s: float) -> str:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        maddr = peer.maddr()
-        if maddr:
-            return maddr
-        if peer.proc.poll() is not None:
-            raise DemoError(f"the first peer exited with code {peer.proc.returncode}; see {peer.log_path}")
-        time.sleep(0.1)
-    raise DemoError(f"the first peer printed no address within {timeout_s:.0f}s; see {peer.log_path}")
 
 
 def _run_timeout_s(cfg: ExperimentConfig) -> float:

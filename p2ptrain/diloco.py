@@ -107,6 +107,8 @@ class DiLoCo:
         self.error_feedback = error_feedback
         self.round = 0
         """The round whose global params ``master`` holds; advanced by :meth:`outer_step`, under the lock."""
+        self._version = 0  # bumped whenever master changes; keys the cached params hash
+        self._hash: tuple[int, str] | None = None
 
     def pseudo_gradient(self) -> list[torch.Tensor]:
         """delta = master - local, in float32 on CPU."""
@@ -121,6 +123,7 @@ class DiLoCo:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             self.round += 1
+            self._version += 1
         self.reset_model()
 
     def reset_model(self) -> None:
@@ -233,11 +236,15 @@ class DiLoCo:
             for m, t in zip(self.master, tensors[n:]):
                 self.optimizer.state[m]["momentum_buffer"] = t.clone()
             self.round = round
+            self._version += 1
         self.reset_model()
 
     def params_hash(self) -> str:
+        """:func:`tensors_hash` of the master params (cached until they change)."""
         with self.lock:
-            return tensors_hash(self.master)
+            if self._hash is None or self._hash[0] != self._version:
+                self._hash = (self._version, tensors_hash(self.master))
+            return self._hash[1]
 
 
 def tensors_hash(tensors: Sequence[torch.Tensor]) -> str:

@@ -5,6 +5,7 @@ Vocabulary: the 256 byte values, so any UTF-8 text works without a tokenizer fil
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -88,11 +89,16 @@ class GPT(nn.Module):
         return self.head(self.ln_f(x))
 
 
+# Initialization draws from torch's global generator: two threads building models at once (peers of an
+# in-process test swarm) would interleave their draws and get different "deterministic" weights.
+_BUILD_LOCK = threading.Lock()
+
+
 def build_model(name: str, context_length: int, dropout: float = 0.0, seed: int = 0) -> GPT:
     """Build a zoo model with deterministic initial weights (same seed, same weights on every peer)."""
     if name not in ZOO:
         raise ValueError(f"unknown model {name!r}; the zoo has {', '.join(ZOO)}")
-    with torch.random.fork_rng(devices=[]):
+    with _BUILD_LOCK, torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return GPT(ZOO[name], context_length, dropout)
 

@@ -18,7 +18,7 @@ class InnerProgress:
         self.enabled, self.total, self.round, self.refresh_s = enabled, total, round, refresh_s
         self._progress: Any = None
         self._task: Any = None
-        self._last = 0.0
+        self._last = -float("inf")  # the first update always draws (monotonic() may be small after a boot)
         self._started = time.monotonic()
 
     def __enter__(self) -> InnerProgress:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from p2ptrain.swarm import ProgressRecord, global_round
+from p2ptrain.records import PeerState, ProgressRecord, global_round
 
 
 def summarize(run_id: str, records: dict[str, ProgressRecord], now: float | None = None) -> dict[str, Any]:
@@ -15,7 +15,7 @@ def summarize(run_id: str, records: dict[str, ProgressRecord], now: float | None
         {
             "peer_id": r.peer_id,
             "short_id": r.peer_id[-8:],
-            "state": r.state,
+            "state": r.state.value,
             "device": r.device,
             "round": r.round,
             "samples_per_s": round(r.samples_per_s, 2),
@@ -26,7 +26,7 @@ def summarize(run_id: str, records: dict[str, ProgressRecord], now: float | None
         }
         for r in sorted(records.values(), key=lambda r: (-r.round, r.peer_id))
     ]
-    training = [r for r in records.values() if r.state in ("training", "averaging")]
+    training = [r for r in records.values() if r.state in (PeerState.TRAINING, PeerState.AVERAGING)]
     return {
         "run_id": run_id,
         "round": global_round(records),

@@ -29,6 +29,9 @@ from prometheus_client import (
     start_http_server,
 )
 
+from p2ptrain.logs import get_logger
+from p2ptrain.records import PeerState, ProgressRecord, global_round
+
 REGISTRY = CollectorRegistry()
 process_collector.ProcessCollector(registry=REGISTRY)
 platform_collector.PlatformCollector(registry=REGISTRY)
@@ -39,10 +42,14 @@ ROUND_BUCKETS = (1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600, 1200, 1800, 3600)
 # One inner step: milliseconds on a GPU, seconds on a laptop CPU.
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 FAILURE_REASONS = ("no_group", "allreduce", "non_finite", "stale")
-"""Why a round's outer step did not average with the swarm (see DiLoCo.sync and Trainer.outer_sync)."""
+"""Why a round's outer step did not average with the swarm (see DiLoCo.sync and Trainer.barrier)."""
 
 # --------------------------------------------------------------------------------------- a peer
-INNER_STEPS = Counter("p2ptrain_inner_steps", "Inner optimizer steps taken by this peer.", registry=REGISTRY)
+INNER_STEPS = Counter(
+    "p2ptrain_inner_steps",
+    "Inner optimizer steps taken by this peer (counted as they happen).",
+    registry=REGISTRY,
+)
 INNER_STEP_DURATION = Histogram(
     "p2ptrain_inner_step_duration_seconds",
     "Wall time of one inner step (forward, backward, optimizer), measured per round as its mean.",
@@ -116,7 +123,7 @@ SWARM_SAMPLES = Gauge(
     registry=REGISTRY,
 )
 
-PEER_STATES = ("loading", "training", "averaging", "done")
+PEER_STATES = tuple(s.value for s in PeerState if s != PeerState.LEFT)
 
 for _reason in FAILURE_REASONS:  # every series exists from the start, at 0, so rate() and alerts work
     OUTER_STEP_FAILURES.labels(reason=_reason)
@@ -131,7 +138,7 @@ def serve(port: int, host: str = "0.0.0.0") -> None:
 
 
 def set_peer_info(**fields: str) -> None:
-    import hivemind
+    import hivemind  # noqa: I001 - here: importing hivemind takes seconds, which a metrics import should not
     import torch
 
     PEER_INFO.info(
@@ -144,15 +151,13 @@ def set_peer_info(**fields: str) -> None:
     )
 
 
-def observe_swarm(records: dict) -> None:
-    """Set the swarm-wide gauges from live progress records (swarm.ProgressRecord by peer id)."""
-    from p2ptrain.swarm import global_round
-
+def observe_swarm(records: dict[str, ProgressRecord]) -> None:
+    """Set the swarm-wide gauges from live progress records (by peer id)."""
     for state in PEER_STATES:
         SWARM_PEERS.labels(state=state).set(sum(1 for r in records.values() if r.state == state))
     SWARM_ROUND.set(max(global_round(records), 0))
     SWARM_SAMPLES_PER_SECOND.set(
-        sum(r.samples_per_s for r in records.values() if r.state in ("training", "averaging"))
+        sum(r.samples_per_s for r in records.values() if r.state in (PeerState.TRAINING, PeerState.AVERAGING))
     )
     SWARM_SAMPLES.set(sum(r.samples_total for r in records.values()))
 
@@ -169,8 +174,6 @@ class SwarmMonitor:
         self._thread.start()
 
     def _loop(self) -> None:
-        from p2ptrain.logs import get_logger
-
         log = get_logger(__name__)
         while not self._stop.is_set():
             t0 = time.monotonic()

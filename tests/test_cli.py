@@ -12,8 +12,8 @@ from p2ptrain import checkpoint
 from p2ptrain.config import ExperimentConfig
 from p2ptrain.data import Corpus, load_corpus
 from p2ptrain.diloco import DiLoCo
+from p2ptrain.evaluation import evaluate
 from p2ptrain.models import build_model
-from p2ptrain.trainer import evaluate
 
 
 def run(*args, timeout=60):
@@ -83,20 +83,26 @@ def test_eval_of_a_bad_file_is_a_clear_error(tmp_path):
     assert out.returncode == 1 and one_line_error(out)[0].startswith("error: ")
 
 
-def test_unreachable_initial_peer_is_a_clear_error_not_a_hang(tmp_path):
-    nobody = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWGPqLr56TyMWzcrRrD7qKoFtiSXvqtQdMqXhirUxDGfgh"
-    out = run(
-        "join",
-        "--initial-peers",
-        nobody,
-        "--host-maddrs",
-        "/ip4/127.0.0.1/tcp/0",
-        "--set",
-        "swarm.bootstrap_timeout_s=20",
-        "--set",
-        f"checkpoint.dir={tmp_path}",
-        timeout=60,
-    )
-    assert out.returncode == 1
-    errors = [line for line in one_line_error(out) if line.startswith("error:")]
-    assert errors and "could not join the swarm through" in errors[0] and nobody in errors[0]
+@pytest.mark.parametrize("outcome", ["stranded", "diverged"])
+def test_a_peer_that_ends_without_the_swarms_final_model_exits_1_with_one_line(
+    monkeypatch, tmp_path, outcome
+):
+    """The exit status follows the trainer's outcome (the outcomes themselves: tests/test_rounds.py)."""
+    from typer.testing import CliRunner
+
+    from p2ptrain import cli, trainer
+
+    class Ends:
+        def __init__(self, cfg, **_):
+            pass
+
+        def run(self):
+            reason = f"this peer is {outcome}"
+            return trainer.RunResult(trainer.Outcome(outcome), tmp_path / "x.safetensors", reason)
+
+    monkeypatch.setattr(trainer, "Trainer", Ends)
+    monkeypatch.setattr("p2ptrain.logs.configure", lambda *a, **k: None)
+    monkeypatch.setattr(cli, "install_stop_handlers", lambda stop: None)
+    result = CliRunner().invoke(cli.app, ["join", "--set", f"checkpoint.dir={tmp_path}"])
+    assert result.exit_code == 1
+    assert result.output.strip().splitlines()[-1] == f"error: this peer is {outcome}"

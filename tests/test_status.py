@@ -1,7 +1,7 @@
 """`p2ptrain status`: the summary of the swarm's records, as JSON for scripts and a table for people."""
 
 from p2ptrain.status import render, summarize
-from tests.test_swarm import rec
+from tests.test_records import rec
 
 
 def test_summary_lists_every_peer_with_round_throughput_and_contribution():

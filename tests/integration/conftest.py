@@ -2,25 +2,20 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from p2ptrain import checkpoint
-from p2ptrain.data import Corpus, load_corpus
-from p2ptrain.models import build_model
-from p2ptrain.trainer import evaluate
+from p2ptrain.evaluation import Evaluator
+from p2ptrain.localswarm import LOOPBACK, PeerProcess
 from tests.conftest import ROOT
 
 TINY = ROOT / "configs" / "tiny.yaml"
-LOOPBACK = "/ip4/127.0.0.1/tcp/0"
+__all__ = ["LOOPBACK", "TINY", "PeerProcess"]
 
 
 def processes_named(name: str) -> set[int]:
@@ -80,71 +75,9 @@ def no_leftover_p2pd():
     assert not leftover, f"p2pd processes left running: {sorted(leftover)}"
 
 
-class PeerProcess:
-    """A `p2ptrain` subprocess whose stdout we can search; always stopped at teardown."""
-
-    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None):
-        self.log_path = log_path
-        self._log = open(log_path, "w")
-        self._out_path = log_path.with_suffix(".out")
-        self._out = open(self._out_path, "w")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "p2ptrain", *args],
-            stdout=self._out,
-            stderr=self._log,
-            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
-        )
-        self.descendants: set[int] = set()
-
-    def stdout(self) -> str:
-        return self._out_path.read_text()
-
-    def wait_for_maddr(self, timeout_s: float = 60) -> str:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            for word in self.stdout().split():
-                if word.startswith("/ip4/127.0.0.1/"):
-                    return word
-            assert self.proc.poll() is None, (
-                f"exited with {self.proc.returncode}: {self.log_path.read_text()[-2000:]}"
-            )
-            time.sleep(0.1)
-        raise AssertionError(f"no multiaddr printed: {self.log_path.read_text()[-2000:]}")
-
-    def events(self) -> list[dict]:
-        """The JSON log lines written so far."""
-        return [json.loads(line) for line in self.log_path.read_text().splitlines() if line.startswith("{")]
-
-    def outer_steps(self) -> list[dict]:
-        return [e for e in self.events() if e.get("event") == "outer step"]
-
-    def remember_descendants(self) -> set[int]:
-        """Record the DHT child, averager child and p2pd now, to check later that none outlive us."""
-        self.descendants |= children_of(self.proc.pid)
-        return self.descendants
-
-    def wait(self, timeout_s: float) -> int:
-        try:
-            return self.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            raise AssertionError(
-                f"still running after {timeout_s}s: {self.log_path.read_text()[-3000:]}"
-            ) from None
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
-        self._out.close()
-
-
 @pytest.fixture
 def spawn(tmp_path):
+    """Start ``p2ptrain ARGS...`` processes; all of them are stopped at teardown."""
     started: list[PeerProcess] = []
 
     def _spawn(*args: str, name: str | None = None, env: dict[str, str] | None = None) -> PeerProcess:
@@ -176,10 +109,5 @@ def join_args(tmp_path: Path, name: str, run_id: str, *extra: str) -> list[str]:
 
 def val_losses(loaded: checkpoint.LoadedModel) -> tuple[float, float]:
     """Validation loss of the run's initial model and of ``loaded``'s params."""
-    cfg = loaded.config
-    corpus = Corpus.from_bytes(load_corpus(cfg.data), cfg.model.context_length, cfg.data.val_fraction)
-    initial = build_model(cfg.model.name, cfg.model.context_length, seed=cfg.run.seed)
-    final = build_model(cfg.model.name, cfg.model.context_length)
-    checkpoint.load_into(final, loaded)
-    cpu = torch.device("cpu")
-    return evaluate(initial, corpus, cfg, cpu)["val_loss"], evaluate(final, corpus, cfg, cpu)["val_loss"]
+    evaluator = Evaluator()
+    return evaluator.initial(loaded.config)["val_loss"], evaluator.loaded(loaded)["val_loss"]

@@ -2,14 +2,8 @@ import time
 
 import pytest
 
-from p2ptrain.swarm import (
-    ProgressRecord,
-    SplitWatch,
-    canonical_hash,
-    global_round,
-    parse_multiaddr,
-    view_hash,
-)
+from p2ptrain.addrs import parse_multiaddr
+from p2ptrain.records import ProgressRecord, SplitWatch, Vote, canonical_hash, global_round, view_hash
 
 
 def rec(peer, round=0, state="training", h="aa", group=2, view=""):
@@ -46,10 +40,14 @@ def test_global_round_ignores_loading_peers():
     assert global_round({}) == -1
 
 
+def votes(*records):
+    return [Vote.of(r) for r in records]
+
+
 def test_canonical_hash_majority_then_group_then_smallest():
-    assert canonical_hash([rec("a", h="bb"), rec("b", h="aa"), rec("c", h="bb")]) == "bb"
-    assert canonical_hash([rec("a", h="bb", group=3), rec("b", h="aa", group=1)]) == "bb"
-    assert canonical_hash([rec("a", h="bb"), rec("b", h="aa")]) == "aa"
+    assert canonical_hash(votes(rec("a", h="bb"), rec("b", h="aa"), rec("c", h="bb"))) == "bb"
+    assert canonical_hash(votes(rec("a", h="bb", group=3), rec("b", h="aa", group=1))) == "bb"
+    assert canonical_hash(votes(rec("a", h="bb"), rec("b", h="aa"))) == "aa"
     assert canonical_hash([]) is None
 
 

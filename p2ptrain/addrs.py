@@ -1,0 +1,71 @@
+"""Multiaddrs: parsing users' addresses, and the files a bootstrap node writes them to.
+
+Kept apart from ``swarm.py`` so that the config can validate addresses without importing the DHT.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from hivemind.utils.multiaddr import Multiaddr
+
+
+class SwarmError(RuntimeError):
+    """The swarm cannot be joined or used (unreachable peers, daemon failure). The message is for users."""
+
+
+def parse_multiaddr(value: str) -> Multiaddr:
+    """Parse a multiaddr, raising ``ValueError`` with a one-line reason on bad input."""
+    if not isinstance(value, str) or not value.startswith("/"):
+        raise ValueError(f"not a multiaddr (expected e.g. /ip4/1.2.3.4/tcp/31337/p2p/12D3Koo...): {value!r}")
+    # Imported here: importing hivemind takes two seconds (and torch with it), which `p2ptrain config
+    # validate` and every other command that never touches the swarm should not pay.
+    from hivemind.utils.multiaddr import Multiaddr
+
+    try:
+        return Multiaddr(value)
+    except Exception as e:  # the vendored parser raises a zoo of types (ValueError, KeyError, binascii.Error)
+        raise ValueError(f"not a valid multiaddr: {value!r} ({e})") from None
+
+
+def is_loopback(maddr: str) -> bool:
+    return maddr.startswith(("/ip4/127.", "/ip6/::1/", "/dns/localhost/", "/dns4/localhost/"))
+
+
+def read_maddrs_file(path: Path | None, timeout_s: float) -> list[str]:
+    """Multiaddrs from a file written by ``p2ptrain dht --maddrs-file``, waiting for it to appear."""
+    if path is None:
+        return []
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            lines = [line.strip() for line in Path(path).read_text().splitlines()]
+        except FileNotFoundError:
+            lines = []
+        maddrs = [line for line in lines if line and not line.startswith("#")]
+        if maddrs:
+            for maddr in maddrs:
+                try:
+                    parse_multiaddr(maddr)
+                except ValueError as e:
+                    raise SwarmError(f"{path}: {e}") from None
+            return maddrs
+        if time.monotonic() > deadline:
+            raise SwarmError(
+                f"swarm.initial_peers_file {path}: no multiaddr appeared within {timeout_s:.0f}s"
+            )
+        time.sleep(0.5)
+
+
+def write_maddrs_file(path: Path, maddrs: Sequence[str]) -> None:
+    """Atomically, so that a reader never sees half a file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(f"{m}\n" for m in maddrs))
+    os.replace(tmp, path)

@@ -1,0 +1,61 @@
+"""The inner step: one local AdamW step on a batch, and its learning-rate schedule.
+
+The trainer and the benchmarks (``bench/simulate.py``, ``bench/sgd_worker.py``) all train with these, so
+that a benchmark measures what a peer does, not a copy of it that has drifted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from p2ptrain.config import InnerConfig
+
+
+def make_optimizer(params: Iterable[nn.Parameter], cfg: InnerConfig) -> torch.optim.Optimizer:
+    """The inner optimizer of ``inner.optimizer`` (AdamW)."""
+    return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+
+
+def inner_lr(cfg: InnerConfig, step: int) -> float:
+    """The learning rate of local step ``step`` (counted from 0 across rounds): linear warmup, then flat."""
+    if cfg.warmup_steps and step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    return cfg.lr
+
+
+def inner_step(
+    model: nn.Module,
+    params: Sequence[nn.Parameter],
+    optimizer: torch.optim.Optimizer,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    *,
+    lr: float,
+    grad_clip: float,
+    autocast_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """One step: forward (autocast unless float32), cross-entropy, backward, clip, AdamW.
+
+    Args:
+        model: what runs the forward pass (the model itself, or a DDP wrapper of it).
+        params: the params to clip (the model's trainable ones).
+        x, y: (B, T) int64 inputs and next-token targets, on the model's device.
+
+    Returns:
+        The loss, a 0-dim tensor still on the device: reading it is a host sync, so callers sum it there.
+    """
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    with torch.autocast(x.device.type, dtype=autocast_dtype, enabled=autocast_dtype != torch.float32):
+        logits = model(x)  # (B, T, vocab)
+        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.reshape(-1))
+    loss.backward()
+    if grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(params, grad_clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.detach()

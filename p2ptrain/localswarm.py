@@ -1,0 +1,152 @@
+"""Real ``p2ptrain`` processes on this machine: one wrapper for the demo, the benchmarks and the tests.
+
+A :class:`PeerProcess` starts ``python -m p2ptrain ARGS...``, follows its stdout (the multiaddrs it
+prints, the final model's path) and its stderr (JSON log lines, kept as events and written to a log
+file) from two threads, and stops it: SIGTERM, then SIGKILL after a grace period. Peers shut hivemind's
+children down on SIGTERM; on SIGKILL their watchdogs do.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+LOOPBACK = "/ip4/127.0.0.1/tcp/0"
+
+
+class PeerProcessError(RuntimeError):
+    """A peer process exited, or did not do what was awaited in time. The message names its log."""
+
+
+class PeerProcess:
+    """One ``p2ptrain`` subprocess whose output is followed; always :meth:`stop` it (demo and tests do).
+
+    Args:
+        args: arguments after ``python -m p2ptrain``.
+        log_path: where its stderr goes, line by line.
+        env: extra environment variables.
+        on_event: called from the reader thread with (this, event) for each JSON log line.
+    """
+
+    def __init__(
+        self,
+        args: list[str],
+        log_path: Path,
+        *,
+        env: dict[str, str] | None = None,
+        on_event: Callable[[PeerProcess, dict[str, Any]], None] | None = None,
+        index: int = 0,
+    ):
+        self.args, self.log_path, self.index = list(args), Path(log_path), index
+        self.stdout_lines: list[str] = []
+        self._events: list[dict[str, Any]] = []
+        self._on_event = on_event
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "p2ptrain", *self.args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            bufsize=1,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+        )
+        self._threads = [
+            threading.Thread(target=self._read_stdout, daemon=True),
+            threading.Thread(target=self._read_stderr, daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
+
+    def _read_stdout(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.stdout_lines.append(line.rstrip("\n"))
+
+    def _read_stderr(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self._log.write(line)
+            self._log.flush()
+            try:
+                event = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(event, dict):
+                self._events.append(event)
+                if self._on_event is not None:
+                    self._on_event(self, event)
+
+    # ------------------------------------------------------------------------------------ reading
+
+    def stdout(self) -> str:
+        return "\n".join(self.stdout_lines)
+
+    def events(self) -> list[dict[str, Any]]:
+        """The JSON log lines so far."""
+        return list(self._events)
+
+    def outer_steps(self) -> list[dict[str, Any]]:
+        return [e for e in self._events if e.get("event") == "outer step"]
+
+    def peer_id(self) -> str | None:
+        """Its peer id, once it has logged that it started."""
+        return next((e["peer_id"] for e in self._events if e.get("event") == "peer started"), None)
+
+    def maddr(self, prefix: str = "/ip4/127.0.0.1/") -> str | None:
+        """The first multiaddr it printed that starts with ``prefix``."""
+        for line in self.stdout_lines:
+            for word in line.split():
+                if word.startswith(prefix):
+                    return word
+        return None
+
+    def tail(self, chars: int = 3000) -> str:
+        return self.log_path.read_text()[-chars:] if self.log_path.exists() else ""
+
+    # ----------------------------------------------------------------------------------- waiting
+
+    def wait_for_maddr(self, timeout_s: float = 90) -> str:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            maddr = self.maddr()
+            if maddr:
+                return maddr
+            if self.proc.poll() is not None:
+                raise PeerProcessError(
+                    f"p2ptrain {self.args[0]} exited with code {self.proc.returncode} before printing its "
+                    f"address; see {self.log_path}"
+                )
+            time.sleep(0.1)
+        raise PeerProcessError(f"no address printed within {timeout_s:.0f}s; see {self.log_path}")
+
+    def wait(self, timeout_s: float) -> int:
+        """Its exit code, once it has exited (PeerProcessError if it still runs after ``timeout_s``)."""
+        try:
+            code = self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            raise PeerProcessError(f"still running after {timeout_s:.0f}s; see {self.log_path}") from None
+        for t in self._threads:
+            t.join(timeout=5)  # the rest of its output
+        return code
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        """SIGTERM, then SIGKILL after ``grace_s``. Safe to call twice."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        for t in self._threads:
+            t.join(timeout=5)
+        self._log.close()

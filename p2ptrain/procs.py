@@ -1,0 +1,66 @@
+"""hivemind's forked children, made to behave: they die with their parent and leave signals to it.
+
+One peer is the main process plus hivemind's DHT child (which owns ``p2pd``) and averager child.
+hivemind leaves both children, and ``p2pd``, running forever when the main process is SIGKILLed;
+:class:`ParentWatchdog` makes each child shut itself down within seconds when its parent disappears.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+
+class ParentWatchdog:
+    """Mixin for hivemind's forked children: shut down cleanly when the parent process dies.
+
+    Set ``_watched_parent_pid = os.getpid()`` in ``__init__`` (in the parent, before the fork) and call
+    :meth:`_start_parent_watchdog` first thing in the child's ``run()``.
+    """
+
+    _watched_parent_pid: int
+
+    def _start_parent_watchdog(
+        self, on_orphaned: Callable[[], None], grace_s: float = 10.0, own_process_group: bool = False
+    ) -> None:
+        """
+        Args:
+            on_orphaned: starts the child's own clean shutdown; runs in a thread of the child.
+            grace_s: if the clean shutdown has not ended the process after this long, exit hard.
+            own_process_group: move the child (and what it spawns, like p2pd) out of the terminal's
+                foreground process group, so that Ctrl-C reaches only the main process, which then shuts
+                the children down in order. Otherwise p2pd dies first and the clean shutdown fails.
+        """
+        # The main process's signal handlers were inherited by fork; they are not the child's to run.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if own_process_group:
+            with contextlib.suppress(OSError):
+                os.setpgid(0, 0)
+        parent = self._watched_parent_pid
+
+        def watch() -> None:
+            while os.getppid() == parent:
+                time.sleep(0.5)
+            try:
+                on_orphaned()
+            finally:
+                time.sleep(grace_s)
+                os._exit(1)
+
+        threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
+
+
+@contextlib.contextmanager
+def keep_sigint_handler() -> Iterator[None]:
+    """hivemind's ``run_in_background`` sets SIGINT to "ignore" in the *calling* process, so that Ctrl-C
+    reaches only the main process; this restores our handler afterwards (the children keep ignoring it)."""
+    previous = signal.getsignal(signal.SIGINT)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)

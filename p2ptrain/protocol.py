@@ -1,0 +1,312 @@
+"""The round protocol: how peers agree on rounds without a coordinator, as pure decisions.
+
+Every function here takes what a peer knows (its own round and params hash, the others' progress
+records, the time) and returns a decision; none of them touches the network, the model or a clock.
+The trainer gathers the inputs, calls them, and carries the decisions out. So every rule below can be
+tested with a table of records, and every peer that sees the same records decides the same.
+
+The rules, in the order a round meets them (docs/architecture.md has them in one table):
+
+* **Catch up** (:func:`catch_up`). A peer behind the highest round that a live peer holds params of
+  downloads that round's state from a holder of its canonical params (most samples first). A donor
+  that fails is asked again later (:class:`DonorBackoff`), never given up on while it is alive.
+* **Never train a round the swarm has left behind** (:func:`stranded`). A peer that has seen the swarm
+  at a later round trains no round before it: it keeps asking. If the swarm finished and its peers
+  are gone, or nobody ahead has been alive for ``swarm.catch_up_timeout_s``, it stops and says so.
+* **Roster** (:func:`roster`). A round's data shards go to the sorted ids of the peers of the round.
+* **Barrier** (:func:`barrier`). After its inner phase a peer waits for every live peer that will train
+  its round (those in it, and those one round behind) to finish theirs, until a deadline; if the swarm
+  moves past its round meanwhile, its pseudo-gradient is stale: it drops it and catches up.
+* **Canonical params** (:func:`rebase_donors`). Peers at a barrier must hold the same params. If ours
+  differ from the canonical ones (:func:`p2ptrain.records.canonical_hash`), we take them and keep our
+  inner progress on top (a rebase).
+* **Fallback** (:func:`may_step_alone`). An all-reduce that fails leaves a peer with its own
+  pseudo-gradient; it may apply it alone only if nobody is past its round yet.
+* **Finish** (:func:`linger`, :func:`final_verdict`). A peer that finished the last round serves its
+  final state while any live peer is behind, loading or holds other final params (up to
+  ``swarm.linger_s``); it adopts the canonical final params if its own differ. It ends with the
+  swarm's final model, or says it does not have it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+
+from p2ptrain.records import PeerState, ProgressRecord, Vote, canonical_hash
+
+Records = Mapping[str, ProgressRecord]
+"""Other peers' records by peer id, as read from the swarm: unexpired, possibly ``left``."""
+
+
+@dataclass(frozen=True)
+class Me:
+    """What a peer knows of itself, for the decisions below."""
+
+    peer_id: str
+    round: int
+    params_hash: str
+    last_group_size: int = 0
+
+    @property
+    def vote(self) -> Vote:
+        return Vote(self.params_hash, self.last_group_size)
+
+
+def live(records: Records) -> dict[str, ProgressRecord]:
+    """Records of peers that have not said they left."""
+    return {pid: r for pid, r in records.items() if r.state != PeerState.LEFT}
+
+
+# ----------------------------------------------------------------------------------------- catching up
+
+
+@dataclass(frozen=True)
+class CatchUp:
+    """A peer is behind: the round to load, and whom to ask for it, in order."""
+
+    round: int
+    params_hash: str
+    """The canonical params hash of ``round`` among its holders."""
+    donors: list[str]
+    """Holders of the canonical params, most samples first, without those we should not ask yet."""
+    resting: int = 0
+    """Holders left out of ``donors`` because they failed recently (see :class:`DonorBackoff`)."""
+
+
+def catch_up(me: Me, others: Records, *, resting: Iterable[str] = ()) -> CatchUp | None:
+    """The state to load if live peers hold params of a later round than ours, else None.
+
+    Args:
+        resting: donors not to ask now (they failed recently); they are counted in ``CatchUp.resting``.
+    """
+    ahead = [r for r in others.values() if r.holds_params and r.round > me.round]
+    if not ahead:
+        return None
+    target = max(r.round for r in ahead)
+    holders = [r for r in ahead if r.round == target]
+    canon = canonical_hash(Vote.of(r) for r in holders)
+    assert canon is not None  # holders hold params, so each has a hash
+    ordered = sorted(
+        (r for r in holders if r.params_hash == canon), key=lambda r: (-r.samples_total, r.peer_id)
+    )
+    skip = set(resting)
+    donors = [r.peer_id for r in ordered if r.peer_id not in skip]
+    return CatchUp(target, canon, donors, resting=len(ordered) - len(donors))
+
+
+class DonorBackoff:
+    """When to ask a donor that failed us again: after ``base_s``, doubling per failure up to ``max_s``.
+
+    A donor is never given up on while its record is alive: it may have been busy, or its upload slow.
+    """
+
+    def __init__(self, base_s: float, max_s: float):
+        self.base_s, self.max_s = base_s, max_s
+        self._failures: dict[str, int] = {}
+        self._until: dict[str, float] = {}
+
+    def failed(self, donor: str, now: float) -> None:
+        n = self._failures[donor] = self._failures.get(donor, 0) + 1
+        self._until[donor] = now + min(self.max_s, self.base_s * 2 ** (n - 1))
+
+    def succeeded(self, donor: str) -> None:
+        self._failures.pop(donor, None)
+        self._until.pop(donor, None)
+
+    def resting(self, now: float) -> set[str]:
+        """Donors not to ask at ``now``."""
+        return {d for d, until in self._until.items() if until > now}
+
+    def next_try(self, now: float) -> float:
+        """The earliest time a resting donor may be asked again (``now`` if none rests)."""
+        return min((t for t in self._until.values() if t > now), default=now)
+
+
+@dataclass
+class SwarmMemory:
+    """What a peer has seen of the swarm over time, beyond the records alive right now.
+
+    A peer that finished and left, or crashed, takes its record with it; what it showed stays here.
+    """
+
+    num_rounds: int
+    highest_round: int = -1
+    """The highest round a peer has been seen holding params of."""
+    final_votes: dict[str, Vote] = field(default_factory=dict)
+    """Each peer seen with final params (round ``num_rounds``, done or left): its vote."""
+    behind_since: float | None = None
+    """Since when we have been behind with no live peer ahead to load from (see :func:`stranded`)."""
+
+    def observe(self, records: Records) -> None:
+        for r in records.values():
+            if r.params_hash and r.state != PeerState.LOADING:
+                self.highest_round = max(self.highest_round, r.round)
+                if r.round >= self.num_rounds and r.state in (PeerState.DONE, PeerState.LEFT):
+                    self.final_votes[r.peer_id] = Vote.of(r)
+
+    @property
+    def swarm_finished(self) -> bool:
+        return bool(self.final_votes)
+
+
+class Stranded(str, Enum):
+    """Why a peer behind the swarm gives up (see :func:`stranded`)."""
+
+    SWARM_FINISHED = "the swarm finished the run and no live peer serves its final state"
+    NOBODY_AHEAD = "no live peer holds the swarm's newer state"
+
+
+def stranded(
+    me: Me, others: Records, memory: SwarmMemory, *, now: float, timeout_s: float
+) -> Stranded | None:
+    """Whether a peer that cannot catch up should give up rather than train a round the swarm has left.
+
+    A peer that is behind (the swarm was seen past its round) trains no round before the swarm's: it keeps
+    asking live holders. With none alive, it gives up at once if the swarm finished (nobody will come back
+    with the final state), else after ``timeout_s`` (a crashed peer ahead may restart from its checkpoint).
+    Updates ``memory.behind_since``.
+    """
+    if memory.highest_round <= me.round:
+        memory.behind_since = None
+        return None
+    if any(r.holds_params and r.round > me.round for r in others.values()):
+        memory.behind_since = None
+        return None
+    if memory.swarm_finished and me.round < memory.num_rounds:
+        return Stranded.SWARM_FINISHED
+    if memory.behind_since is None:
+        memory.behind_since = now
+    if now - memory.behind_since >= timeout_s:
+        return Stranded.NOBODY_AHEAD
+    return None
+
+
+# --------------------------------------------------------------------------------------------- a round
+
+
+def roster(me: Me, others: Records) -> tuple[int, int]:
+    """Our rank and the world size of our round: the sorted ids of the live peers in it, us included.
+
+    Peers loading into our round count: they are about to train it (at the start of a run every peer is
+    ``loading`` until its first inner phase, and peers that see different rosters train overlapping data).
+    """
+    ids = {
+        pid
+        for pid, r in others.items()
+        if r.round == me.round and r.state in (PeerState.LOADING, PeerState.TRAINING, PeerState.AVERAGING)
+    }
+    ordered = sorted(ids | {me.peer_id})
+    return ordered.index(me.peer_id), len(ordered)
+
+
+class BarrierState(str, Enum):
+    GO = "go"
+    """Every live peer of our round is ready (or the deadline passed): average with ``ready``."""
+    WAIT = "wait"
+    """Some peers of our round are still training."""
+    STALE = "stale"
+    """A peer is past our round: our pseudo-gradient is stale; catch up instead."""
+
+
+@dataclass(frozen=True)
+class Barrier:
+    state: BarrierState
+    ready: list[ProgressRecord] = field(default_factory=list)
+    """The peers of our round that finished their inner phase: our group."""
+    waiting_for: list[str] = field(default_factory=list)
+    """Peers of our round still training (or loading into it): why we wait, or whom we left out."""
+    timed_out: bool = False
+
+
+def barrier(me: Me, others: Records, *, now: float, deadline: float) -> Barrier:
+    """The barrier after our inner phase: go, wait, or give up the round as stale.
+
+    We wait for the live peers that will train our round: those in it (loading into it included), and
+    those one round behind, in their inner phase or sync of the previous round: they will either step into
+    ours or load our state (they see us ahead), and then train it. Without them, a peer whose last sync
+    failed would find the others gone ahead alone, round after round.
+    """
+    if any(r.holds_params and r.round > me.round for r in others.values()):
+        return Barrier(BarrierState.STALE)
+    coming = (PeerState.LOADING, PeerState.TRAINING, PeerState.AVERAGING)
+    same = [r for r in others.values() if r.round == me.round and r.state in coming]
+    behind = [
+        r
+        for r in others.values()
+        if r.round == me.round - 1 and r.state in (PeerState.TRAINING, PeerState.AVERAGING)
+    ]
+    ready = sorted((r for r in same if r.state == PeerState.AVERAGING), key=lambda r: r.peer_id)
+    waiting = sorted(
+        [r.peer_id for r in same if r.state != PeerState.AVERAGING] + [r.peer_id for r in behind]
+    )
+    if not waiting:
+        return Barrier(BarrierState.GO, ready)
+    if now >= deadline:
+        return Barrier(BarrierState.GO, ready, waiting, timed_out=True)
+    return Barrier(BarrierState.WAIT, ready, waiting)
+
+
+def rebase_donors(me: Me, group: Iterable[ProgressRecord]) -> list[str] | None:
+    """None if our params are the canonical ones of our group; else the holders of the canonical ones."""
+    group = list(group)
+    canon = canonical_hash([me.vote, *(Vote.of(r) for r in group)])
+    if canon == me.params_hash:
+        return None
+    return [r.peer_id for r in group if r.params_hash == canon]
+
+
+def may_step_alone(me: Me, others: Records) -> bool:
+    """After a failed all-reduce: apply our own pseudo-gradient only if nobody is past our round yet.
+
+    Otherwise our step would fork the params: the swarm's state of the next round exists, and we load it.
+    """
+    return not any(r.holds_params and r.round > me.round for r in others.values())
+
+
+# ------------------------------------------------------------------------------------------- the end
+
+
+class LingerState(str, Enum):
+    LEAVE = "leave"
+    """Every live peer finished with our final params: nobody needs us."""
+    STAY = "stay"
+    """Someone is behind, loading, or finished with other params: keep serving our state."""
+    ADOPT = "adopt"
+    """Our final params are not the canonical ones: load them from ``donors``."""
+
+
+@dataclass(frozen=True)
+class Linger:
+    state: LingerState
+    donors: list[str] = field(default_factory=list)
+    waiting_for: list[str] = field(default_factory=list)
+
+
+def linger(me: Me, others: Records, memory: SwarmMemory) -> Linger:
+    """What a peer that finished the last round does next. ``memory`` holds the final votes seen so far."""
+    canon = final_params_hash(me, memory)
+    if canon != me.params_hash:
+        live_holders = [
+            r.peer_id
+            for r in others.values()
+            if r.state == PeerState.DONE and r.round == me.round and r.params_hash == canon
+        ]
+        return Linger(LingerState.ADOPT, donors=live_holders)
+    waiting = sorted(
+        pid
+        for pid, r in live(others).items()
+        if not (r.state == PeerState.DONE and r.round == me.round and r.params_hash == me.params_hash)
+    )
+    return Linger(LingerState.STAY if waiting else LingerState.LEAVE, waiting_for=waiting)
+
+
+def final_params_hash(me: Me, memory: SwarmMemory) -> str | None:
+    """The swarm's final params: the canonical ones among ours and every final state we saw."""
+    return canonical_hash([me.vote, *memory.final_votes.values()])
+
+
+def final_verdict(me: Me, memory: SwarmMemory) -> bool:
+    """Whether our final params are the swarm's."""
+    return final_params_hash(me, memory) == me.params_hash

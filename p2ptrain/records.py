@@ -1,0 +1,163 @@
+"""The progress record every peer publishes, and the pure functions that read a set of them.
+
+A record is what one peer tells the swarm about itself: its round, its state, a hash of its global
+params, its samples. Records travel through the DHT signed by their peer (``swarm.py``); everything
+here is plain data and arithmetic, with no network, so that the round protocol (``protocol.py``), the
+metrics and ``p2ptrain status`` can all be tested with tables of records.
+
+Every field is bounded: a record is something a stranger wrote, and the schema validator of every DHT
+node refuses one that is out of bounds before it is stored.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+# hivemind's SchemaValidator speaks pydantic v1; the DHT record models use its compatibility module.
+from pydantic.v1 import BaseModel, confloat, conint, constr
+
+MAX_COUNT = 2**53
+"""Largest integer a record may carry (exact in a float64, far beyond any real sample count)."""
+MAX_RATE = 1e12
+"""Largest throughput a record may claim, in samples per second."""
+
+
+class PeerState(str, Enum):
+    """Where a peer is in its round. Published in its record; read by every other peer."""
+
+    LOADING = "loading"
+    """Joining or behind the swarm: downloading the swarm's state. Holds no params others should use."""
+    TRAINING = "training"
+    """In its inner phase of ``round``."""
+    AVERAGING = "averaging"
+    """Finished its inner phase of ``round``: at the barrier or in the all-reduce."""
+    DONE = "done"
+    """Finished the run; holds the final params and serves them while others finish."""
+    LEFT = "left"
+    """Shut down. Ignore it, even before its record expires."""
+
+
+class ProgressRecord(BaseModel):
+    """What a peer tells the swarm about itself. Stored signed; read by every peer and by monitors."""
+
+    peer_id: constr(strict=True, min_length=1, max_length=128)  # type: ignore[valid-type]
+    """libp2p peer id (base58), used to download state from this peer."""
+    round: conint(strict=True, ge=0, le=MAX_COUNT)  # type: ignore[valid-type]
+    """The outer round this peer is in (its params are the global params of this round)."""
+    state: PeerState
+    """See :class:`PeerState`."""
+    params_hash: constr(strict=True, regex=r"^[0-9a-f]{0,64}$")  # type: ignore[valid-type]
+    """Short hash of this peer's global params of ``round``: peers of one round must agree on it."""
+    samples_round: conint(strict=True, ge=0, le=MAX_COUNT)  # type: ignore[valid-type]
+    """Samples processed in this round's inner phase so far."""
+    samples_total: conint(strict=True, ge=0, le=MAX_COUNT)  # type: ignore[valid-type]
+    """Samples processed since this peer started."""
+    samples_per_s: confloat(strict=True, ge=0.0, le=MAX_RATE)  # type: ignore[valid-type]
+    """Recent inner-phase throughput."""
+    last_group_size: conint(strict=True, ge=0, le=MAX_COUNT)  # type: ignore[valid-type]
+    """Size of the all-reduce group of this peer's last outer step (1: it averaged alone)."""
+    device: constr(strict=True, max_length=16)  # type: ignore[valid-type]
+    """cpu, cuda or mps."""
+    time: confloat(strict=True, ge=0.0, le=1e11)  # type: ignore[valid-type]
+    """Wall-clock time of the record (seconds since the epoch)."""
+    seen: conint(strict=True, ge=0, le=MAX_COUNT) = 0  # type: ignore[valid-type]
+    """How many live peers (itself included) this peer sees."""
+    view: constr(strict=True, max_length=16) = ""  # type: ignore[valid-type]
+    """Short hash of the sorted ids of the live peers this peer sees (see :class:`SplitWatch`)."""
+
+    class Config:
+        extra = "forbid"
+
+    def wire(self) -> dict[str, Any]:
+        """The record as plain msgpack-able values (the state as its string)."""
+        data = self.dict()
+        data["state"] = self.state.value
+        return data
+
+    @property
+    def holds_params(self) -> bool:
+        """Its params are a real global state of its round (not a newcomer's, not a leaver's)."""
+        return self.state not in (PeerState.LOADING, PeerState.LEFT) and bool(self.params_hash)
+
+
+@dataclass(frozen=True)
+class Vote:
+    """One peer's say in which params are canonical: its params hash and its last group's size."""
+
+    params_hash: str
+    last_group_size: int
+
+    @classmethod
+    def of(cls, record: ProgressRecord) -> Vote:
+        return cls(record.params_hash, record.last_group_size)
+
+
+def global_round(records: dict[str, ProgressRecord]) -> int:
+    """The swarm's round: the highest round any live peer holds params of (-1: nobody does)."""
+    return max((r.round for r in records.values() if r.holds_params), default=-1)
+
+
+def canonical_hash(votes: Iterable[Vote]) -> str | None:
+    """The params hash that peers of one round should converge on, or None if nobody reported one.
+
+    The most common hash wins; ties go to the hash whose holders averaged in the larger group last
+    round, then to the smaller hash string, so that every peer that sees the same votes picks the
+    same winner.
+    """
+    votes = [v for v in votes if v.params_hash]
+    counts = Counter(v.params_hash for v in votes)
+    if not counts:
+        return None
+    best_group = {h: max(v.last_group_size for v in votes if v.params_hash == h) for h in counts}
+    return min(counts, key=lambda h: (-counts[h], -best_group[h], h))
+
+
+def view_hash(peer_ids: Iterable[str]) -> str:
+    """A short hash of a set of peer ids: equal on peers that see the same live peers."""
+    return hashlib.sha256("\n".join(sorted(peer_ids)).encode()).hexdigest()[:12]
+
+
+class SplitWatch:
+    """Notices when this peer and others keep seeing the swarm differently.
+
+    A peer disagrees with us when its view (the set of live peers it sees) differs from ours, or its round
+    is two or more from ours (peers of one swarm are at most one round apart, except while one catches up).
+    Short disagreements are normal (a peer joins or leaves and records take a few heartbeats to spread);
+    :meth:`observe` reports only those that last ``after_s``, at most once per ``after_s``.
+    """
+
+    def __init__(self, after_s: float):
+        self.after_s = after_s
+        self._since: dict[str, float] = {}  # peer id -> when we first saw it disagree (continuously since)
+        self._last_warning = -float("inf")
+
+    def observe(
+        self, now: float, me: str, my_round: int, records: dict[str, ProgressRecord]
+    ) -> dict[str, Any] | None:
+        """Feed one reading of the live records; returns the warning's fields when one is due."""
+        mine = view_hash(records.keys() | {me})
+        disagreeing = {}
+        for pid, r in records.items():
+            if pid == me or r.state == PeerState.LOADING:
+                continue
+            other_view = bool(r.view) and r.view != mine
+            far_round = abs(r.round - my_round) >= 2 and r.state != PeerState.DONE
+            if other_view or far_round:
+                disagreeing[pid] = r
+        self._since = {pid: self._since.get(pid, now) for pid in disagreeing}
+        lasting = [pid for pid, t in self._since.items() if now - t >= self.after_s]
+        if not lasting or now - self._last_warning < self.after_s:
+            return None
+        self._last_warning = now
+        return {
+            "for_s": round(max(now - self._since[pid] for pid in lasting), 1),
+            "we_see": len(records.keys() | {me}),
+            "our_round": my_round,
+            "they_see": {pid[-8:]: disagreeing[pid].seen for pid in lasting},
+            "their_rounds": {pid[-8:]: disagreeing[pid].round for pid in lasting},
+        }

@@ -1,0 +1,421 @@
+"""An in-memory swarm: N real Trainers in one process (threads), the DHT and the all-reduce faked in memory,
+and an injector that fails a named peer at a named point (as torchft's ``EventInjector.fail_at``).
+
+What is real: the Trainer, its round protocol, DiLoCo, the model, data, codec, checkpoints. What is fake:
+the records board (a dict with expiry times) and the averager (groups form per round key within
+``averaging.matchmaking_time_s``, as hivemind's do; the average goes through the same codec both ways).
+
+A crash (:class:`Crash`) stops a peer dead, as SIGKILL would: its thread unwinds without a goodbye record
+or a model file, its record stays until it expires, and it serves nothing from then on.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from p2ptrain.compression import roundtrip
+from p2ptrain.config import ExperimentConfig, load_config
+from p2ptrain.diloco import AverageResult, AveragingFailed
+from p2ptrain.records import PeerState, ProgressRecord
+from p2ptrain.trainer import Link, RunResult, Trainer
+from tests.conftest import ROOT
+
+# Rounds of tens of milliseconds, timers of a fraction of a second: a whole swarm runs in seconds.
+FAST = {
+    "run": {"run_id": "mem"},
+    "outer": {"num_rounds": 4},
+    "averaging": {
+        "matchmaking_time_s": 0.1,
+        "request_timeout_s": 0.05,
+        "matchmaking_timeout_s": 0.5,
+        "next_chunk_timeout_s": 0.25,
+        "allreduce_timeout_s": 0.6,
+        "barrier_timeout_s": 30.0,
+    },
+    "swarm": {
+        "heartbeat_s": 0.1,
+        "record_ttl_s": 1.0,
+        "split_warning_s": 60.0,
+        "linger_s": 4.0,
+        "catch_up_timeout_s": 6.0,
+        "state_download_timeout_s": 5.0,
+    },
+}
+
+
+def fast_config(tmp_path: Path, name: str, **sections: dict[str, Any]) -> ExperimentConfig:
+    """configs/tiny.yaml with fast timers and this peer's own checkpoint dir."""
+    overrides: dict[str, Any] = {k: dict(v) for k, v in FAST.items()}
+    for section, values in sections.items():
+        overrides.setdefault(section, {}).update(values)
+    overrides.setdefault("checkpoint", {})["dir"] = str(tmp_path / name)
+    return load_config(ROOT / "configs" / "tiny.yaml", overrides)
+
+
+class Crash(BaseException):
+    """An injected crash. A BaseException, so that no ``except Exception`` in the trainer swallows it."""
+
+
+class Point(str, Enum):
+    """Where the injector can fail a peer."""
+
+    INNER = "inner"
+    """In its inner phase of the round (right after it announced it)."""
+    BARRIER = "barrier"
+    """At the barrier, after its inner phase."""
+    ALLREDUCE = "allreduce"
+    """In the all-reduce, after it served its averaged part to one groupmate only: that one steps, the
+    others' all-reduce fails."""
+    DONATE = "donate"
+    """Serving a newcomer: it sends a truncated state (as hivemind does when a donor dies mid-stream),
+    then dies."""
+    FINISHED = "finished"
+    """After it finished and wrote its final model, while it lingers."""
+
+
+@dataclass
+class Fault:
+    peer: str | None  # None: whichever peer gets there first
+    point: Point
+    round: int | None  # None: the first time the peer reaches the point
+    delay_s: float = 0.0  # > 0: the peer stalls this long instead of crashing
+
+
+class Injector:
+    """Fails (or stalls) a named peer at a named point, once."""
+
+    def __init__(self) -> None:
+        self._faults: list[Fault] = []
+        self._lock = threading.Lock()
+        self.fired: list[tuple[str, Point, int]] = []
+        self.group_failures: set[int] = set()  # rounds whose all-reduce fails for every member
+        self.member_failures: set[tuple[str, int]] = set()  # (peer, round): only that member's fails
+        self.refuse_donations: set[str] = set()  # peers that never serve their state
+
+    def fail_at(self, peer: str | None, point: Point, round: int | None = None) -> None:
+        self._faults.append(Fault(peer, point, round))
+
+    def stall_at(self, peer: str | None, point: Point, round: int | None, seconds: float) -> None:
+        self._faults.append(Fault(peer, point, round, delay_s=seconds))
+
+    def fail_allreduce(self, round: int, peer: str | None = None) -> None:
+        """The all-reduce of ``round`` fails (every attempt) for ``peer``, or for everyone."""
+        if peer is None:
+            self.group_failures.add(round)
+        else:
+            self.member_failures.add((peer, round))
+
+    def take(self, peer: str, point: Point, round: int) -> Fault | None:
+        with self._lock:
+            for fault in self._faults:
+                if fault.peer in (None, peer) and fault.point == point and fault.round in (None, round):
+                    self._faults.remove(fault)
+                    self.fired.append((peer, point, round))
+                    return fault
+        return None
+
+
+class _Peer:
+    """The swarm's side of one connected peer: its status, its state provider, whether it is alive."""
+
+    def __init__(self, swarm: MemorySwarm, name: str, cfg: ExperimentConfig, codec, state_provider, stop):
+        self.swarm, self.name, self.cfg, self.codec = swarm, name, cfg, codec
+        # Deterministic ids (the roster, and so the data shards, follow them): one per incarnation.
+        self.peer_id = f"mem-{name}-{sum(p.name == name for p in swarm._peers.values())}"
+        self.state_provider = state_provider
+        self.stop = stop
+        self.status: dict[str, Any] = dict(
+            round=0,
+            state=PeerState.LOADING,
+            params_hash="",
+            samples_round=0,
+            samples_total=0,
+            samples_per_s=0.0,
+            last_group_size=0,
+        )
+        self.dead = threading.Event()  # crashed: its thread dies at its next call into the swarm
+        self.gone = threading.Event()  # shut down (or crashed): serves nothing
+        self.records_after_done = 0
+
+    def check_alive(self) -> None:
+        if self.dead.is_set():
+            raise Crash(self.name)
+
+    def kill(self) -> None:
+        self.dead.set()
+        self.gone.set()
+
+    def hit(self, point: Point, round: int) -> None:
+        fault = self.swarm.injector.take(self.name, point, round)
+        if fault is None:
+            return
+        if fault.delay_s:
+            time.sleep(fault.delay_s)
+            self.check_alive()  # it may have been killed meanwhile (serving a download, say)
+            return
+        self.kill()
+        raise Crash(f"{self.name} at {point.value} of round {round}")
+
+    def record(self) -> ProgressRecord:
+        return ProgressRecord(peer_id=self.peer_id, device="cpu", time=time.time(), **self.status)
+
+
+class MemoryBoard:
+    def __init__(self, peer: _Peer):
+        self._peer = peer
+        self.peer_id = peer.peer_id
+        self._heartbeat: threading.Thread | None = None
+
+    def visible_maddrs(self) -> list[str]:
+        return [f"/memory/{self.peer_id}"]
+
+    def start(self) -> None:
+        self._heartbeat = threading.Thread(target=self._beat, name=f"beat-{self.peer_id}", daemon=True)
+        self._heartbeat.start()
+
+    def _beat(self) -> None:
+        while not self._peer.gone.wait(self._peer.cfg.swarm.heartbeat_s):
+            self._peer.swarm.publish(self._peer)
+
+    def update(self, **changes: Any) -> None:
+        peer = self._peer
+        peer.check_alive()
+        peer.status.update(changes)
+        peer.swarm.publish(peer)
+        state, round_ = peer.status["state"], peer.status["round"]
+        if changes.get("state") == PeerState.TRAINING and changes.get("samples_round") == 0:
+            peer.hit(Point.INNER, round_)
+        elif changes.get("state") == PeerState.AVERAGING:
+            peer.hit(Point.BARRIER, round_)
+        elif state == PeerState.DONE:
+            peer.records_after_done = 0
+
+    def records(self) -> dict[str, ProgressRecord]:
+        peer = self._peer
+        peer.check_alive()
+        if peer.status["state"] == PeerState.DONE:
+            peer.records_after_done += 1
+            if peer.records_after_done == 2:  # finish() read the swarm once and wrote final.safetensors
+                peer.hit(Point.FINISHED, peer.status["round"])
+        return peer.swarm.read()
+
+    def shutdown(self) -> None:
+        peer = self._peer
+        if not peer.dead.is_set() and not peer.gone.is_set():
+            peer.status["state"] = PeerState.LEFT
+            peer.swarm.publish(peer)
+        peer.gone.set()
+
+
+class MemoryAverager:
+    def __init__(self, peer: _Peer, codec):
+        self._peer, self._codec = peer, codec
+
+    def average(self, tensors, *, weight: float, round: int) -> AverageResult:
+        peer = self._peer
+        cfg = peer.cfg.averaging
+        errors = []
+        for attempt in range(1 + cfg.retries):
+            peer.check_alive()
+            try:
+                return peer.swarm.allreduce(peer, [roundtrip(self._codec, t) for t in tensors], weight, round)
+            except AveragingFailed as e:
+                if e.reason == "stopped":
+                    raise
+                errors.append(f"attempt {attempt + 1}: {e}")
+        reason = "no_group" if all("no_group" in e for e in errors) else "allreduce"
+        raise AveragingFailed(reason, "; ".join(errors))
+
+    def download_state(self, donors, timeout: float):
+        self._peer.check_alive()
+        for donor_id in donors:
+            got = self._peer.swarm.donate(donor_id)
+            if got is not None:
+                return (donor_id, *got)
+        return None
+
+    def set_round(self, round: int) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        pass
+
+
+@dataclass
+class _Group:
+    round: int
+    closes_at: float
+    target: int
+    members: list[tuple[_Peer, list[torch.Tensor], float]] = field(default_factory=list)
+    closed: threading.Event = field(default_factory=threading.Event)
+    results: dict[str, AverageResult | AveragingFailed] = field(default_factory=dict)
+
+
+class MemorySwarm:
+    """The DHT and the all-reduce of one run, in memory. ``connect(name)`` is a Trainer's ``connect``."""
+
+    def __init__(self, injector: Injector | None = None):
+        self.injector = injector or Injector()
+        self._store: dict[str, tuple[ProgressRecord, float]] = {}
+        self._peers: dict[str, _Peer] = {}
+        self._groups: dict[int, _Group] = {}
+        self._lock = threading.Condition()
+
+    # --- the board
+    def publish(self, peer: _Peer) -> None:
+        with self._lock:
+            if peer.dead.is_set() or (peer.gone.is_set() and peer.status["state"] != PeerState.LEFT):
+                return
+            self._store[peer.peer_id] = (peer.record(), time.monotonic() + peer.cfg.swarm.record_ttl_s)
+
+    def read(self) -> dict[str, ProgressRecord]:
+        now = time.monotonic()
+        with self._lock:
+            return {pid: r for pid, (r, expires) in self._store.items() if expires > now}
+
+    # --- the all-reduce
+    def allreduce(self, peer: _Peer, tensors: list[torch.Tensor], weight: float, round: int) -> AverageResult:
+        cfg = peer.cfg.averaging
+        with self._lock:
+            group = self._groups.get(round)
+            if group is None or group.closed.is_set():
+                group = self._groups[round] = _Group(
+                    round, time.monotonic() + cfg.matchmaking_time_s, cfg.target_group_size
+                )
+            group.members.append((peer, tensors, weight))
+            if len(group.members) >= group.target:
+                self._close(group, cfg.min_group_size)
+        while not group.closed.wait(0.01):
+            if peer.stop.is_set():
+                raise AveragingFailed("stopped", "stop requested")
+            if peer.dead.is_set():
+                raise Crash(peer.name)
+            with self._lock:
+                if not group.closed.is_set() and time.monotonic() >= group.closes_at:
+                    self._close(group, cfg.min_group_size)
+        result = group.results[peer.peer_id]
+        if peer.dead.is_set():
+            raise Crash(f"{peer.name} in the all-reduce of round {round}")
+        if isinstance(result, AveragingFailed):
+            raise result
+        return result
+
+    def _close(self, group: _Group, min_group_size: int) -> None:
+        """Under the lock: decide every member's outcome of this group's all-reduce."""
+        members = sorted(group.members, key=lambda m: m[0].peer_id)
+        ids = [m[0].peer_id for m in members]
+        if len(members) < max(min_group_size, 2):
+            for pid in ids:
+                group.results[pid] = AveragingFailed("no_group", "could not find a group")
+        else:
+            total = sum(w for _, _, w in members)
+            average = [sum(w * t[i] for _, t, w in members) / total for i in range(len(members[0][1]))]
+            codec = members[0][0].codec  # every member decodes the same bytes: one result for all
+            result = AverageResult(
+                tensors=[roundtrip(codec, a) for a in average], group_size=len(members), peers=ids
+            )
+            for pid in ids:
+                group.results[pid] = result
+            dying = [m[0] for m in members if self.injector.take(m[0].name, Point.ALLREDUCE, group.round)]
+            for victim in dying:
+                victim.kill()
+                # It served its averaged part to one groupmate only: that one has everything, the rest fail.
+                lucky = next((pid for pid in ids if pid != victim.peer_id), None)
+                for pid in ids:
+                    if pid != lucky:
+                        group.results[pid] = AveragingFailed("allreduce", f"{victim.name} left mid-way")
+            if group.round in self.injector.group_failures:
+                for pid in ids:
+                    group.results[pid] = AveragingFailed(
+                        "allreduce", "injected: the group's all-reduce failed"
+                    )
+            for peer, _, _ in members:
+                if (peer.name, group.round) in self.injector.member_failures:
+                    group.results[peer.peer_id] = AveragingFailed("allreduce", "injected: this member failed")
+        group.closed.set()
+
+    # --- state transfer
+    def donate(self, donor_id: str) -> tuple[Any, list[torch.Tensor]] | None:
+        donor = self._peers.get(donor_id)
+        if donor is None or donor.gone.is_set() or donor.name in self.injector.refuse_donations:
+            return None
+        metadata, tensors = donor.state_provider()
+        if self.injector.take(donor.name, Point.DONATE, int(metadata["round"])):
+            donor.kill()
+            return metadata, tensors[: len(tensors) // 2]  # what hivemind hands over from a dead donor
+        return metadata, tensors
+
+    # --- peers
+    def connect(self, name: str) -> Callable[..., Link]:
+        def _connect(cfg, *, device, shapes, codec, state_provider, stop) -> Link:
+            peer = _Peer(self, name, cfg, codec, state_provider, stop)
+            with self._lock:
+                self._peers[peer.peer_id] = peer
+            return Link(MemoryBoard(peer), MemoryAverager(peer, codec))
+
+        return _connect
+
+    def peer_id(self, name: str) -> str:
+        """The id of the newest incarnation of peer ``name``."""
+        return [pid for pid, p in self._peers.items() if p.name == name][-1]
+
+
+class PeerThread:
+    """A Trainer running in a thread; ``result`` is its RunResult, or the Crash that ended it."""
+
+    started: list[PeerThread] = []  # every one, so that a fixture can stop those a failed test left running
+
+    def __init__(self, swarm: MemorySwarm, name: str, cfg: ExperimentConfig):
+        PeerThread.started.append(self)
+        self.name, self.cfg = name, cfg
+        self.stop = threading.Event()
+        self.trainer = Trainer(cfg, stop=self.stop, connect=swarm.connect(name))
+        self.result: RunResult | BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name=f"trainer-{name}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.result = self.trainer.run()
+        except BaseException as e:  # a Crash, or a bug the test reports
+            self.result = e
+
+    def join(self, timeout_s: float = 120) -> RunResult | BaseException | None:
+        self._thread.join(timeout_s)
+        assert not self._thread.is_alive(), f"{self.name} still running after {timeout_s}s"
+        return self.result
+
+    @property
+    def crashed(self) -> bool:
+        return isinstance(self.result, Crash)
+
+    def wait_until(self, predicate: Callable[[Trainer], bool], timeout_s: float = 60) -> None:
+        """Poll a condition on the trainer (never a timing assertion: a deadline only turns a hang into a failure)."""
+
+        def holds() -> bool:
+            try:
+                return predicate(self.trainer)
+            except AttributeError:  # still setting up
+                return False
+
+        deadline = time.monotonic() + timeout_s
+        while not holds():
+            assert self._thread.is_alive() or holds(), f"{self.name} ended: {self.result!r}"
+            assert time.monotonic() < deadline, f"{self.name}: condition not met within {timeout_s}s"
+            time.sleep(0.01)
+
+    @classmethod
+    def stop_all(cls) -> None:
+        for p in cls.started:
+            p.stop.set()
+        for p in cls.started:
+            p._thread.join(30)
+        cls.started.clear()

@@ -1,0 +1,212 @@
+"""The round protocol's decisions, from tables of records: no network, no model, no clock."""
+
+import time
+
+import pytest
+
+from p2ptrain import protocol
+from p2ptrain.protocol import BarrierState, DonorBackoff, LingerState, Me, Stranded, SwarmMemory
+from p2ptrain.records import PeerState, ProgressRecord
+
+
+def rec(peer, round=0, state="training", h="aa", group=2, samples=0, view=""):
+    return ProgressRecord(
+        peer_id=peer,
+        round=round,
+        state=state,
+        params_hash=h,
+        samples_round=0,
+        samples_total=samples,
+        samples_per_s=0.0,
+        last_group_size=group,
+        device="cpu",
+        time=time.time(),
+        view=view,
+    )
+
+
+def table(*records):
+    return {r.peer_id: r for r in records}
+
+
+def me(round=3, h="aa", group=2):
+    return Me("me", round, h, group)
+
+
+# --- catching up
+
+
+def test_nobody_ahead_no_catch_up():
+    assert protocol.catch_up(me(), table(rec("a", 3), rec("b", 2))) is None
+
+
+def test_catch_up_targets_the_highest_held_round_and_its_canonical_holders_most_samples_first():
+    others = table(
+        rec("a", 5, h="cc", samples=10),
+        rec("b", 5, h="cc", samples=30),
+        rec("c", 5, h="dd", samples=99),  # the minority hash: not a donor
+        rec("d", 4, h="bb"),
+        rec("e", 9, state="loading", h="99"),  # a newcomer's claim holds no params
+        rec("f", 9, state="left", h="99"),  # gone
+    )
+    plan = protocol.catch_up(me(), others)
+    assert plan.round == 5 and plan.params_hash == "cc" and plan.donors == ["b", "a"]
+
+
+def test_done_peers_serve_the_final_state():
+    plan = protocol.catch_up(me(round=7), table(rec("a", 8, state="done", h="ff")))
+    assert plan.round == 8 and plan.donors == ["a"]
+
+
+def test_resting_donors_are_left_out_but_counted():
+    plan = protocol.catch_up(me(), table(rec("a", 5, samples=2), rec("b", 5, samples=1)), resting={"a"})
+    assert plan.donors == ["b"] and plan.resting == 1
+
+
+def test_donor_backoff_doubles_up_to_a_cap_and_forgets_on_success():
+    b = DonorBackoff(base_s=1.0, max_s=5.0)
+    b.failed("a", now=0.0)
+    assert b.resting(0.5) == {"a"} and b.resting(1.0) == set()
+    b.failed("a", now=1.0)  # 2 s
+    b.failed("a", now=3.0)  # 4 s
+    b.failed("a", now=7.0)  # 8 s, capped at 5
+    assert b.next_try(7.0) == 12.0 and b.resting(11.9) == {"a"}
+    b.succeeded("a")
+    assert b.resting(7.0) == set()
+
+
+# --- a peer left behind
+
+
+def test_a_peer_that_saw_the_swarm_ahead_waits_then_gives_up_if_nobody_comes_back():
+    memory = SwarmMemory(num_rounds=10)
+    memory.observe(table(rec("a", 5)))
+    assert protocol.stranded(me(round=3), table(rec("a", 5)), memory, now=0.0, timeout_s=10) is None
+    # a crashed: its record is gone. Do not train round 3 alone; wait for it to come back.
+    assert protocol.stranded(me(round=3), {}, memory, now=1.0, timeout_s=10) is None
+    assert protocol.stranded(me(round=3), {}, memory, now=10.9, timeout_s=10) is None
+    assert protocol.stranded(me(round=3), {}, memory, now=11.0, timeout_s=10) == Stranded.NOBODY_AHEAD
+
+
+def test_a_holder_coming_back_resets_the_wait():
+    memory = SwarmMemory(num_rounds=10)
+    memory.observe(table(rec("a", 5)))
+    assert protocol.stranded(me(round=3), {}, memory, now=0.0, timeout_s=10) is None
+    assert protocol.stranded(me(round=3), table(rec("a", 5)), memory, now=9.0, timeout_s=10) is None
+    assert protocol.stranded(me(round=3), {}, memory, now=15.0, timeout_s=10) is None
+
+
+def test_a_finished_swarm_that_left_strands_a_peer_at_once():
+    memory = SwarmMemory(num_rounds=6)
+    memory.observe(table(rec("a", 6, state="left", h="ff")))  # it finished and said goodbye
+    assert memory.swarm_finished
+    assert protocol.stranded(me(round=0), {}, memory, now=0.0, timeout_s=100) == Stranded.SWARM_FINISHED
+
+
+def test_a_peer_that_never_saw_anyone_ahead_is_not_behind():
+    memory = SwarmMemory(num_rounds=6)
+    memory.observe(table(rec("a", 2), rec("b", 9, state="loading")))
+    assert protocol.stranded(me(round=2), {}, memory, now=0.0, timeout_s=1) is None
+    assert memory.behind_since is None
+
+
+# --- a round
+
+
+def test_roster_is_the_sorted_ids_of_the_peers_training_our_round():
+    others = table(rec("b", 3), rec("d", 3, state="averaging"), rec("a", 2), rec("c", 3, state="loading"))
+    assert protocol.roster(me(), others) == (3, 4)  # b, c, d, me
+    assert protocol.roster(me(), table(rec("x", 3, state="done"), rec("y", 3, state="left"))) == (0, 1)
+
+
+@pytest.mark.parametrize(
+    "others, expected, waiting",
+    [
+        (table(rec("a", 3, "averaging"), rec("b", 3, "averaging")), BarrierState.GO, []),
+        (table(rec("a", 3, "averaging"), rec("b", 3, "training")), BarrierState.WAIT, ["b"]),
+        (
+            table(rec("a", 3, "averaging"), rec("b", 3, "loading")),
+            BarrierState.WAIT,
+            ["b"],
+        ),  # loading into it
+        (table(rec("a", 3, "averaging"), rec("b", 3, "done"), rec("c", 3, "left")), BarrierState.GO, []),
+        (table(rec("a", 3, "training"), rec("b", 4, "training")), BarrierState.STALE, []),
+        (table(rec("a", 3, "averaging"), rec("b", 9, "loading")), BarrierState.GO, []),
+        # one round behind, in its inner phase or sync: it will step into ours or load it, then train it
+        (table(rec("a", 3, "averaging"), rec("b", 2, "averaging")), BarrierState.WAIT, ["b"]),
+        (table(rec("a", 3, "averaging"), rec("b", 2, "training")), BarrierState.WAIT, ["b"]),
+        (table(rec("a", 3, "averaging"), rec("b", 1, "training"), rec("c", 2, "done")), BarrierState.GO, []),
+        ({}, BarrierState.GO, []),
+    ],
+)
+def test_barrier(others, expected, waiting):
+    decision = protocol.barrier(me(), others, now=0.0, deadline=10.0)
+    assert decision.state == expected and decision.waiting_for == waiting
+
+
+def test_barrier_deadline_goes_with_whoever_is_ready():
+    others = table(rec("a", 3, "averaging"), rec("b", 3, "training"))
+    decision = protocol.barrier(me(), others, now=10.0, deadline=10.0)
+    assert decision.state == BarrierState.GO and decision.timed_out
+    assert [r.peer_id for r in decision.ready] == ["a"] and decision.waiting_for == ["b"]
+
+
+def test_rebase_onto_the_majority_then_the_larger_group_then_the_smaller_hash():
+    assert protocol.rebase_donors(me(h="aa"), [rec("a", h="aa"), rec("b", h="bb")]) is None
+    assert protocol.rebase_donors(me(h="cc"), [rec("a", h="bb"), rec("b", h="bb")]) == ["a", "b"]
+    assert protocol.rebase_donors(me(h="aa", group=1), [rec("a", h="bb", group=3)]) == ["a"]
+    assert protocol.rebase_donors(me(h="bb", group=2), [rec("a", h="aa", group=2)]) == ["a"]
+    assert protocol.rebase_donors(me(h="aa"), []) is None
+
+
+def test_step_alone_only_while_nobody_is_past_our_round():
+    assert protocol.may_step_alone(me(), table(rec("a", 3), rec("b", 2)))
+    assert not protocol.may_step_alone(me(), table(rec("a", 4)))
+    assert not protocol.may_step_alone(me(), table(rec("a", 4, state="done")))
+    assert protocol.may_step_alone(me(), table(rec("a", 4, state="loading")))
+
+
+# --- the end
+
+
+def finished(*records, num_rounds=4):
+    memory = SwarmMemory(num_rounds=num_rounds)
+    memory.observe(table(*records))
+    return memory
+
+
+def test_a_finished_peer_stays_while_anyone_is_behind_loading_or_holds_other_params():
+    done = rec("a", 4, "done", h="ff")
+    assert protocol.linger(me(4, "ff"), table(done), finished(done)).state == LingerState.LEAVE
+    assert protocol.linger(me(4, "ff"), {}, finished()).state == LingerState.LEAVE
+    for other in (rec("b", 3, "training"), rec("b", 0, "loading"), rec("b", 4, "averaging")):
+        decision = protocol.linger(me(4, "ff"), table(done, other), finished(done))
+        assert decision.state == LingerState.STAY and decision.waiting_for == ["b"]
+    # b finished with other params: we hold the canonical ones (larger group), and b must get them from us.
+    b = rec("b", 4, "done", h="00", group=1)
+    decision = protocol.linger(me(4, "ff", group=3), table(b), finished(b))
+    assert decision.state == LingerState.STAY
+    # a peer that left is nobody to wait for
+    assert protocol.linger(me(4, "ff"), table(rec("c", 2, "left")), finished()).state == LingerState.LEAVE
+
+
+def test_a_finished_peer_with_other_params_adopts_the_canonical_ones():
+    a, b = rec("a", 4, "done", h="11"), rec("b", 4, "done", h="11")
+    decision = protocol.linger(me(4, "ff"), table(a, b), finished(a, b))
+    assert decision.state == LingerState.ADOPT and decision.donors == ["a", "b"]
+    assert not protocol.final_verdict(me(4, "ff"), finished(a, b))
+    assert protocol.final_params_hash(me(4, "ff"), finished(a, b)) == "11"
+
+
+def test_final_states_of_peers_that_left_still_count():
+    gone = rec("a", 4, "left", h="11", group=3)
+    memory = finished(gone)
+    decision = protocol.linger(me(4, "ff", group=1), {}, memory)
+    assert decision.state == LingerState.ADOPT and decision.donors == []  # nobody left to get them from
+    assert not protocol.final_verdict(me(4, "ff", group=1), memory)
+    assert protocol.final_verdict(me(4, "11", group=1), memory)
+
+
+def test_state_enum_values_are_the_wire_strings():
+    assert [s.value for s in PeerState] == ["loading", "training", "averaging", "done", "left"]
+    assert rec("a").wire()["state"] == "training"

@@ -1,0 +1,262 @@
+"""The round protocol end to end: real Trainers on an in-memory swarm, one process, faults injected.
+
+Each test runs a few peers of configs/tiny.yaml (with fast timers) in threads, fails some at a named point,
+and checks the swarm's contract: every peer ends with the swarm's final params, or ends non-zero without a
+final.safetensors; no round is applied twice; the swarm learned.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from p2ptrain import checkpoint
+from p2ptrain.diloco import DiLoCo
+from p2ptrain.evaluation import Evaluator
+from p2ptrain.models import build_model
+from p2ptrain.trainer import Outcome, RunResult
+from tests.memswarm import Injector, MemorySwarm, PeerThread, Point, fast_config
+
+
+@pytest.fixture(autouse=True)
+def _stop_peers_left_running():
+    yield
+    PeerThread.stop_all()
+
+
+def start(memswarm, tmp_path, names, **sections) -> dict[str, PeerThread]:
+    """Peers ``names``, starting together; a group forms as soon as all of them are in it."""
+    sections.setdefault("swarm", {}).setdefault("min_peers", len(names))
+    sections.setdefault("averaging", {}).setdefault("target_group_size", len(names))
+    return {name: PeerThread(memswarm, name, fast_config(tmp_path, name, **sections)) for name in names}
+
+
+def finish(peers: dict[str, PeerThread]) -> dict[str, RunResult | BaseException | None]:
+    return {name: p.join() for name, p in peers.items()}
+
+
+def assert_swarm_contract(tmp_path, peers: dict[str, PeerThread], survivors: list[str]) -> str:
+    """The survivors hold the same final params in final.safetensors; the swarm learned. Returns the hash."""
+    hashes = set()
+    for name in survivors:
+        p = peers[name]
+        assert isinstance(p.result, RunResult), f"{name}: {p.result!r}"
+        assert p.result.outcome == Outcome.FINAL, f"{name}: {p.result}"
+        applied = p.trainer.rounds_applied
+        assert applied == sorted(set(applied)), f"{name} applied a round twice: {applied}"
+        loaded = checkpoint.load(tmp_path / name / "final.safetensors")
+        assert loaded.round == p.cfg.outer.num_rounds
+        hashes.add(loaded.params_sha256())
+    assert len(hashes) == 1, "survivors disagree on the final params"
+    evaluator = Evaluator()
+    loaded, final = evaluator.file(tmp_path / survivors[0] / "final.safetensors")
+    initial = evaluator.initial(loaded.config)
+    assert final["val_loss"] < initial["val_loss"] - 0.5, (initial, final)
+    return hashes.pop()
+
+
+def test_three_peers_train_every_round_together(tmp_path):
+    peers = start(MemorySwarm(), tmp_path, ["a", "b", "c"])
+    finish(peers)
+    assert_swarm_contract(tmp_path, peers, ["a", "b", "c"])
+    for p in peers.values():
+        assert p.trainer.rounds_applied == [0, 1, 2, 3]
+        assert p.trainer.last_group_size == 3
+
+
+def test_a_late_joiner_loads_the_swarms_state_and_trains_with_it(tmp_path):
+    swarm = MemorySwarm()
+    rounds = {"outer": {"num_rounds": 6}, "averaging": {"target_group_size": 3}}
+    peers = start(swarm, tmp_path, ["a", "b"], **rounds)
+    peers["a"].wait_until(lambda t: t.round >= 2)
+    peers["c"] = PeerThread(swarm, "c", fast_config(tmp_path, "c", **rounds))
+    finish(peers)
+    assert_swarm_contract(tmp_path, peers, ["a", "b", "c"])
+    late = peers["c"].trainer.rounds_applied
+    assert late[0] >= 2, "the late joiner must start at the swarm's round, not at 0"
+    assert peers["c"].trainer.last_group_size == 3
+
+
+def test_a_peer_that_falls_behind_drops_its_stale_work_and_catches_up(tmp_path):
+    injector = Injector()
+    injector.stall_at("c", Point.BARRIER, round=1, seconds=1.5)  # its record still says training
+    swarm = MemorySwarm(injector)
+    # The others give up waiting for it and move on; it finds the swarm past its round.
+    peers = start(swarm, tmp_path, ["a", "b", "c"], averaging={"barrier_timeout_s": 0.5})
+    finish(peers)
+    assert_swarm_contract(tmp_path, peers, ["a", "b", "c"])
+    assert 1 not in peers["c"].trainer.rounds_applied
+    assert peers["a"].trainer.rounds_applied == [0, 1, 2, 3]
+
+
+def test_a_failed_group_falls_back_alone_then_everyone_rebases_onto_one_params(tmp_path):
+    injector = Injector()
+    injector.fail_allreduce(round=1)  # every member, every attempt
+    peers = start(MemorySwarm(injector), tmp_path, ["a", "b", "c"])
+    finish(peers)
+    assert_swarm_contract(tmp_path, peers, ["a", "b", "c"])
+    # Some stepped alone in round 1 (different params), and rebased at the next barrier; one that found
+    # another already past round 1 did not step alone but loaded its state.
+    assert sum(1 in p.trainer.rounds_applied for p in peers.values()) >= 1
+
+
+def test_a_groupmate_that_dies_mid_allreduce_costs_one_contribution(tmp_path):
+    injector = Injector()
+    injector.fail_at("c", Point.ALLREDUCE, round=1)  # one survivor gets the average, the other does not
+    peers = start(MemorySwarm(injector), tmp_path, ["a", "b", "c"])
+    finish(peers)
+    assert peers["c"].crashed
+    assert_swarm_contract(tmp_path, peers, ["a", "b"])
+    # The one that missed the average did not step alone (the other was past the round): it loaded.
+    applied = sorted([peers["a"].trainer.rounds_applied, peers["b"].trainer.rounds_applied])
+    assert applied == [[0, 1, 2, 3], [0, 2, 3]], applied
+
+
+@pytest.mark.parametrize("point", [Point.INNER, Point.BARRIER])
+def test_a_peer_killed_in_its_round_is_waited_for_until_its_record_expires(tmp_path, point):
+    injector = Injector()
+    injector.fail_at("c", point, round=1)
+    peers = start(MemorySwarm(injector), tmp_path, ["a", "b", "c"])
+    finish(peers)
+    assert peers["c"].crashed
+    assert_swarm_contract(tmp_path, peers, ["a", "b"])
+    assert peers["a"].trainer.last_group_size == 2
+
+
+def test_half_the_swarm_killed_at_once(tmp_path):
+    injector = Injector()
+    injector.fail_at("c", Point.INNER, round=2)
+    injector.fail_at("d", Point.INNER, round=2)
+    peers = start(MemorySwarm(injector), tmp_path, ["a", "b", "c", "d"], outer={"num_rounds": 5})
+    finish(peers)
+    assert peers["c"].crashed and peers["d"].crashed
+    assert_swarm_contract(tmp_path, peers, ["a", "b"])
+
+
+def test_a_killed_peer_restarts_from_its_checkpoint_and_loads_the_swarms_newer_state(tmp_path):
+    injector = Injector()
+    injector.fail_at("c", Point.INNER, round=2)
+    swarm = MemorySwarm(injector)
+    long = {"outer": {"num_rounds": 6}, "checkpoint": {"every_rounds": 1}}
+    peers = start(swarm, tmp_path, ["a", "b", "c"], **long)
+    peers["c"].join()
+    assert peers["c"].crashed
+    peers["a"].wait_until(lambda t: t.round >= 4)
+    restarted = PeerThread(swarm, "c", fast_config(tmp_path, "c", **long))
+    peers["c"] = restarted
+    finish(peers)
+    assert_swarm_contract(tmp_path, peers, ["a", "b", "c"])
+    assert restarted.trainer.rounds_applied[0] >= 4  # resumed at round 2, then loaded the swarm's
+
+
+def test_a_newcomer_whose_donor_dies_mid_transfer_refuses_the_truncated_state_and_asks_another(tmp_path):
+    injector = Injector()
+    swarm = MemorySwarm(injector)
+    rounds = {"outer": {"num_rounds": 6}, "averaging": {"target_group_size": 3}}
+    peers = start(swarm, tmp_path, ["a", "b"], **rounds)
+    peers["a"].wait_until(lambda t: t.round >= 2)
+    injector.fail_at(None, Point.DONATE)  # whichever donor the newcomer asks first
+    peers["c"] = PeerThread(swarm, "c", fast_config(tmp_path, "c", **rounds))
+    finish(peers)
+    [(first, _, _)] = injector.fired
+    assert peers[first].crashed
+    assert_swarm_contract(tmp_path, peers, [n for n in ("a", "b", "c") if n != first])
+    assert peers["c"].trainer.rounds_applied[0] >= 2
+
+
+def test_a_peer_whose_last_sync_fails_takes_the_final_state_from_a_finished_peer(tmp_path):
+    injector = Injector()
+    injector.fail_allreduce(round=3, peer="b")  # b alone misses the last average; a finishes
+    peers = start(MemorySwarm(injector), tmp_path, ["a", "b"])
+    finish(peers)
+    assert_swarm_contract(tmp_path, peers, ["a", "b"])
+    assert peers["b"].trainer.rounds_applied == [0, 1, 2]  # it did not step alone past a finished swarm
+
+
+def test_a_peer_that_crashes_after_finishing_leaves_its_final_model(tmp_path):
+    injector = Injector()
+    injector.fail_at("a", Point.FINISHED)
+    peers = start(MemorySwarm(injector), tmp_path, ["a", "b", "c"])
+    finish(peers)
+    assert peers["a"].crashed
+    digest = assert_swarm_contract(tmp_path, peers, ["b", "c"])
+    assert checkpoint.load(tmp_path / "a" / "final.safetensors").params_sha256() == digest
+
+
+def test_the_fork_case_a_newcomer_left_with_no_donor_never_writes_a_final_model(tmp_path):
+    """The newcomer's only donor dies mid-transfer and the other peer has finished and left: the newcomer
+    must not train the run alone from round 0 and call the result final (issue 9's fork)."""
+    injector = Injector()
+    swarm = MemorySwarm(injector)
+    rounds = {"outer": {"num_rounds": 6}}
+    # a finishes and stays a while (stalled); b finishes, sees a done with the same params, and leaves.
+    injector.stall_at("a", Point.FINISHED, round=None, seconds=3.0)
+    peers = start(swarm, tmp_path, ["a", "b"], **rounds)
+    peers["b"].join()
+    # The newcomer finds only a, which dies serving it.
+    injector.fail_at("a", Point.DONATE)
+    peers["c"] = PeerThread(swarm, "c", fast_config(tmp_path, "c", **rounds))
+    finish(peers)
+    assert peers["a"].crashed and peers["b"].result.outcome == Outcome.FINAL
+    result = peers["c"].result
+    assert isinstance(result, RunResult) and result.outcome == Outcome.STRANDED and not result.ok, result
+    assert not (tmp_path / "c" / "final.safetensors").exists()
+    assert peers["c"].trainer.rounds_applied == [], "it trained rounds the swarm had left behind"
+    assert "finished the run" in result.reason
+
+
+def test_the_fork_case_when_the_finished_peer_is_still_there(tmp_path):
+    """Same, but the finished peer still lingers (it sees the newcomer loading): the newcomer gets the final
+    state from it and every peer ends with identical params."""
+    injector = Injector()
+    swarm = MemorySwarm(injector)
+    rounds = {"outer": {"num_rounds": 6}, "averaging": {"target_group_size": 3}}
+    peers = start(swarm, tmp_path, ["a", "b"], **rounds)
+    peers["a"].wait_until(lambda t: t.round >= 5)
+    injector.fail_at(None, Point.DONATE)  # the newcomer's first donor dies mid-transfer
+    peers["c"] = PeerThread(swarm, "c", fast_config(tmp_path, "c", **rounds))
+    finish(peers)
+    [(first, _, _)] = injector.fired
+    assert_swarm_contract(tmp_path, peers, [n for n in ("a", "b", "c") if n != first])
+
+
+def test_a_peer_that_cannot_get_the_swarms_final_params_says_so_and_writes_no_final_model(tmp_path):
+    """Two peers end the last round with different params (as when both step alone after a failed last
+    all-reduce) and neither can serve the other: the one whose params are not canonical says so."""
+    injector = Injector()
+    injector.refuse_donations.update({"a", "b"})
+    cfgs = {n: fast_config(tmp_path, n, swarm={"min_peers": 2, "linger_s": 2.5}) for n in ("a", "b")}
+    for scale, (name, cfg) in zip((1.0, 1.01), cfgs.items()):  # final states of round 4, slightly apart
+        model = build_model(cfg.model.name, cfg.model.context_length, seed=cfg.run.seed)
+        diloco = DiLoCo(model, lr=0.7, momentum=0.5, nesterov=True)
+        diloco.load_state_tensors([t * scale for t in diloco.state_tensors()], round=cfg.outer.num_rounds)
+        checkpoint.save(tmp_path / name / "round-000004.safetensors", model, diloco, cfg)
+    swarm = MemorySwarm(injector)
+    peers = {name: PeerThread(swarm, name, cfg) for name, cfg in cfgs.items()}
+    finish(peers)
+    outcomes = sorted(p.result.outcome.value for p in peers.values())
+    assert outcomes == ["diverged", "final"], outcomes
+    loser = next(p for p in peers.values() if p.result.outcome == Outcome.DIVERGED)
+    assert not loser.result.ok and loser.result.path.name == "diverged.safetensors"
+    assert "no peer served them" in loser.result.reason
+    assert not (tmp_path / loser.name / "final.safetensors").exists()
+
+
+def test_a_stopped_peer_keeps_its_work_and_resumes_refusing_a_corrupted_newer_file(tmp_path):
+    swarm = MemorySwarm()
+    cfg = fast_config(tmp_path, "a", outer={"num_rounds": 1000})
+    first = PeerThread(swarm, "a", cfg)
+    first.wait_until(lambda t: t.round >= 2)
+    first.stop.set()
+    result = first.join()
+    assert result.outcome == Outcome.INTERRUPTED and result.ok
+    saved = tmp_path / "a" / "interrupted.safetensors"
+    stopped_at = checkpoint.load(saved).round
+    corrupted = tmp_path / "a" / "newer-but-broken.safetensors"
+    corrupted.write_bytes(saved.read_bytes()[:200])  # truncated, and newer than the good file
+
+    second = PeerThread(swarm, "a", cfg)
+    second.wait_until(lambda t: t.rounds_applied)
+    second.stop.set()
+    second.join()
+    assert second.trainer.rounds_applied[0] == stopped_at  # it trains on from where it stopped
+    assert second.trainer.inner_steps_total > 5 * stopped_at  # its inner AdamW counters came back too
