@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -221,6 +222,37 @@ def _all_tensors_hash(tensors: dict[str, torch.Tensor]) -> str:
     return tensors_hash([tensors[k] for k in sorted(tensors)])
 
 
+def resume_latest(
+    directory: Path,
+    model: torch.nn.Module,
+    diloco: DiLoCo,
+    inner_optimizer: torch.optim.Optimizer,
+    config_hash: str,
+    on_refused: Callable[[Path, str], None] = lambda path, reason: None,
+) -> tuple[Path, TrainingState] | None:
+    """Load the newest valid checkpoint of this experiment in ``directory`` into DiLoCo and the inner
+    optimizer: params, outer momentum, round, error-feedback residual, inner AdamW state.
+
+    A file that is corrupted, truncated or of another config is refused (``on_refused`` says which and why)
+    and the next newest is tried: a bad file is never loaded silently, and a good older one is not ignored.
+
+    Returns:
+        The file and its state (its ``counters`` are the caller's to restore), or None if none was usable.
+    """
+    for path in candidates(directory):
+        try:
+            state = load_state(model, path, config_hash)
+            diloco.load_state_tensors(state.outer, round=state.round)
+            state.load_inner_into(inner_optimizer)
+        except (CheckpointError, ValueError) as e:
+            on_refused(path, str(e))
+            continue
+        if state.residuals and diloco.error_feedback is not None:
+            diloco.error_feedback.residuals = [r.clone() for r in state.residuals]
+        return path, state
+    return None
+
+
 def candidates(directory: Path) -> list[Path]:
     """Checkpoint files in ``directory``, newest first (by modification time)."""
     files = [f for f in Path(directory).glob("*.safetensors") if f.is_file()]
@@ -244,5 +276,6 @@ __all__ = [
     "load_into",
     "load_state",
     "prune",
+    "resume_latest",
     "save",
 ]

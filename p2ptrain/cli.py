@@ -1,7 +1,9 @@
 """The ``p2ptrain`` command.
 
 Exit codes: 0 success (also after a clean stop on SIGINT/SIGTERM), 1 runtime failure (swarm
-unreachable, a bad model file), 2 usage or config error. Errors are one line on stderr, no traceback.
+unreachable, a bad model file), 2 usage or config error, 3 the peer ended without the swarm's final model
+(left behind by the swarm, or diverged from it: restarting it does not help; the systemd unit does not).
+Errors are one line on stderr, no traceback.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ app = typer.Typer(
 config_app = typer.Typer(no_args_is_help=True, help="Inspect and check experiment configs.")
 app.add_typer(config_app, name="config")
 
-EXIT_RUNTIME, EXIT_USAGE = 1, 2
+EXIT_RUNTIME, EXIT_USAGE, EXIT_NOT_FINAL = 1, 2, 3
 
 ConfigOpt = Annotated[
     Path | None,
@@ -158,7 +160,7 @@ def join(
     except ValueError as e:  # user-facing problems found at setup (device not available, corpus too small)
         raise fail(str(e), EXIT_USAGE) from None
     if not result.ok:  # it ended without the swarm's final model: say so, and never as final.safetensors
-        raise fail(result.reason, EXIT_RUNTIME)
+        raise fail(result.reason, EXIT_NOT_FINAL)
     if result.path is not None and result.path.name == "final.safetensors":
         typer.echo(f"Final model: {result.path}")
     else:

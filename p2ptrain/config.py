@@ -223,12 +223,13 @@ class SwarmConfig(_Section):
     catch_up_timeout_s: float = Field(default=300.0, gt=0.0)
     """A peer behind the swarm never trains a round the swarm has left behind: it keeps asking every live
     peer that holds the swarm's newer state (with backoff). If none is alive for this long (they crashed or
-    left), it stops with exit code 1 and keeps its own state in interrupted.safetensors; at once if the swarm
+    left), it stops with exit code 3 and keeps its own state in interrupted.safetensors; at once if the swarm
     has finished the run."""
     linger_s: float = Field(default=300.0, ge=0.0)
-    """After its last round, a peer stays this long at most (it leaves as soon as every other live peer is
-    done) so that slower peers can finish, load its state if their last sync failed, and check their final
-    params against it. At least (1 + averaging.retries) x (averaging.matchmaking_timeout_s +
+    """After its last round, a peer stays this long at most, serving its final state while any live peer is
+    behind, loading, or finished with other params (it leaves as soon as every other live peer is done with
+    the same params), so that slower peers can finish, load its state if their last sync failed, and check
+    their final params against it. At least (1 + averaging.retries) x (averaging.matchmaking_timeout_s +
     averaging.allreduce_timeout_s), the longest a failed sync can take; 0: leave at once."""
     split_warning_s: float = Field(default=120.0, gt=0.0)
     """Warn in the logs when other peers have seen a different set of live peers than this one, or a round

@@ -1,4 +1,4 @@
-"""The inner step: one local AdamW step on a batch, and its learning-rate schedule.
+"""The inner step: one local AdamW step on a batch, its learning-rate schedule, and the device it runs on.
 
 The trainer and the benchmarks (``bench/simulate.py``, ``bench/sgd_worker.py``) all train with these, so
 that a benchmark measures what a peer does, not a copy of it that has drifted.
@@ -13,6 +13,21 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from p2ptrain.config import InnerConfig
+
+
+def pick_device(kind: str) -> torch.device:
+    """auto: Apple's MPS, then CUDA, then CPU."""
+    if kind == "auto":
+        if torch.backends.mps.is_available():
+            return torch.device("mps")
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        return torch.device("cpu")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device.kind is 'cuda' but torch sees no CUDA device")
+    if kind == "mps" and not torch.backends.mps.is_available():
+        raise ValueError("device.kind is 'mps' but MPS is not available (Apple Silicon and macOS 12.3+ only)")
+    return torch.device(kind)
 
 
 def make_optimizer(params: Iterable[nn.Parameter], cfg: InnerConfig) -> torch.optim.Optimizer:

@@ -136,6 +136,8 @@ class SwarmMemory:
     """The highest round a peer has been seen holding params of."""
     final_votes: dict[str, Vote] = field(default_factory=dict)
     """Each peer seen with final params (round ``num_rounds``, done or left): its vote."""
+    swarm_finished: bool = False
+    """Some peer finished the run (kept in checkpoints: a restarted peer still knows it)."""
     behind_since: float | None = None
     """Since when we have been behind with no live peer ahead to load from (see :func:`stranded`)."""
 
@@ -145,10 +147,15 @@ class SwarmMemory:
                 self.highest_round = max(self.highest_round, r.round)
                 if r.round >= self.num_rounds and r.state in (PeerState.DONE, PeerState.LEFT):
                     self.final_votes[r.peer_id] = Vote.of(r)
+                    self.swarm_finished = True
 
-    @property
-    def swarm_finished(self) -> bool:
-        return bool(self.final_votes)
+    def counters(self) -> dict[str, int]:
+        """What a checkpoint keeps of it, so that a restarted peer does not forget that the swarm was ahead."""
+        return {"swarm_round_seen": self.highest_round, "swarm_finished": int(self.swarm_finished)}
+
+    def restore(self, counters: Mapping[str, int]) -> None:
+        self.highest_round = max(self.highest_round, counters.get("swarm_round_seen", -1))
+        self.swarm_finished = self.swarm_finished or bool(counters.get("swarm_finished", 0))
 
 
 class Stranded(str, Enum):

@@ -16,6 +16,7 @@ import platform
 import threading
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from prometheus_client import (
     CollectorRegistry,
@@ -31,6 +32,9 @@ from prometheus_client import (
 
 from p2ptrain.logs import get_logger
 from p2ptrain.records import PeerState, ProgressRecord, global_round
+
+if TYPE_CHECKING:
+    from p2ptrain.diloco import OuterStepReport
 
 REGISTRY = CollectorRegistry()
 process_collector.ProcessCollector(registry=REGISTRY)
@@ -149,6 +153,32 @@ def set_peer_info(**fields: str) -> None:
             "hivemind": hivemind.__version__,
         }
     )
+
+
+def observe_inner_phase(*, steps: int, samples: int, seconds: float, loss: float) -> None:
+    """A round's inner phase ended (its steps were counted as they happened)."""
+    SAMPLES.inc(samples)
+    if steps:
+        INNER_STEP_DURATION.observe(seconds / steps)
+        TRAIN_LOSS.set(loss)
+        SAMPLES_PER_SECOND.set(samples / max(seconds, 1e-9))
+
+
+def observe_outer_step(
+    report: OuterStepReport, *, round: int, duration_s: float, sync_s: float, val_loss: float
+) -> None:
+    """A round ended with this outer step (``round``: the peer's round now)."""
+    if report.applied:
+        OUTER_STEPS.inc()
+    if report.failure in FAILURE_REASONS:
+        OUTER_STEP_FAILURES.labels(reason=report.failure).inc()
+    OUTER_STEP_DURATION.observe(duration_s)
+    SYNC_DURATION.observe(sync_s)
+    AVERAGING_SENT.inc(report.bytes_sent)
+    AVERAGING_RECEIVED.inc(report.bytes_received)
+    GROUP_SIZE.set(report.group_size)
+    VALIDATION_LOSS.set(val_loss)
+    ROUND.set(round)
 
 
 def observe_swarm(records: dict[str, ProgressRecord]) -> None:

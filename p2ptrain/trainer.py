@@ -17,124 +17,25 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Any, Protocol
 
 import torch
-from hivemind.compression import CompressionBase
 
 from p2ptrain import checkpoint, protocol, telemetry
 from p2ptrain.compression import ErrorFeedback, codec_for
 from p2ptrain.config import ExperimentConfig
 from p2ptrain.data import Corpus, load_corpus
-from p2ptrain.diloco import AverageResult, DiLoCo, OuterStepReport
+from p2ptrain.diloco import DiLoCo, OuterStepReport
 from p2ptrain.evaluation import evaluate
-from p2ptrain.inner import inner_lr, inner_step, make_optimizer
+from p2ptrain.inner import inner_lr, inner_step, make_optimizer, pick_device
+from p2ptrain.link import Connect, Link, connect_hivemind
 from p2ptrain.logs import bind, get_logger
 from p2ptrain.models import build_model, num_params
 from p2ptrain.progress import InnerProgress, terminal_progress_enabled
 from p2ptrain.protocol import BarrierState, LingerState, Me
 from p2ptrain.records import PeerState, ProgressRecord
-from p2ptrain.transfer import check_state, donation
+from p2ptrain.transfer import donation, fetch_state
 
 log = get_logger(__name__)
-
-StateProvider = Callable[[], tuple[dict, list[torch.Tensor]]]
-
-
-# ------------------------------------------------------------------------------------- the network seam
-
-
-class Board(Protocol):
-    """The swarm's progress records, as one peer reads and writes them (``swarm.Swarm`` on a DHT)."""
-
-    peer_id: str
-
-    def visible_maddrs(self) -> list[str]: ...
-
-    def start(self) -> None:
-        """Start publishing our record (a heartbeat)."""
-
-    def update(self, **changes: Any) -> None:
-        """Change fields of our record (``round``, ``state``, ``params_hash``, samples...)."""
-
-    def records(self) -> dict[str, ProgressRecord]:
-        """Every unexpired record by peer id, ``left`` ones and our own included."""
-        ...
-
-    def shutdown(self) -> None: ...
-
-
-class PeerAverager(Protocol):
-    """The all-reduce and state transfer (``averaging.SwarmAverager`` on hivemind)."""
-
-    def average(self, tensors: Sequence[torch.Tensor], *, weight: float, round: int) -> AverageResult: ...
-
-    def download_state(self, donors: Sequence[str], timeout: float) -> tuple[str, Any, list] | None:
-        """(donor, metadata, tensors) from the first donor that serves its state, or None."""
-        ...
-
-    def set_round(self, round: int) -> None: ...
-
-    def shutdown(self) -> None: ...
-
-
-@dataclass
-class Link:
-    board: Board
-    averager: PeerAverager
-
-    def shutdown(self) -> None:
-        self.averager.shutdown()
-        self.board.shutdown()
-
-
-class Connect(Protocol):
-    def __call__(
-        self,
-        cfg: ExperimentConfig,
-        *,
-        device: str,
-        shapes: list[torch.Size],
-        codec: CompressionBase,
-        state_provider: StateProvider,
-        stop: threading.Event,
-    ) -> Link: ...
-
-
-def connect_hivemind(
-    cfg: ExperimentConfig,
-    *,
-    device: str,
-    shapes: list[torch.Size],
-    codec: CompressionBase,
-    state_provider: StateProvider,
-    stop: threading.Event,
-) -> Link:
-    """Join the swarm for real: a DHT child (with p2pd) and an averager child, forked from this process.
-
-    Raises:
-        SwarmError: the swarm cannot be reached.
-    """
-    from p2ptrain.averaging import SwarmAverager
-    from p2ptrain.swarm import Swarm
-
-    swarm = Swarm(cfg.run.run_id, cfg.swarm, device=device, observers=[telemetry.observe_swarm])
-    try:
-        averager = SwarmAverager(
-            swarm.dht,
-            run_id=cfg.run.run_id,
-            shapes=shapes,
-            cfg=cfg.averaging,
-            codec=codec,
-            client_mode=cfg.swarm.client_mode,
-            state_provider=state_provider,
-            stop=stop,
-        )
-    except BaseException:
-        swarm.shutdown(say_goodbye=False)
-        raise
-    return Link(swarm, averager)
-
 
 # ------------------------------------------------------------------------------------------- outcomes
 
@@ -185,21 +86,6 @@ class RoundStats:
     @property
     def loss(self) -> float:
         return self.loss_sum / max(self.steps, 1)
-
-
-def pick_device(kind: str) -> torch.device:
-    """auto: Apple's MPS, then CUDA, then CPU."""
-    if kind == "auto":
-        if torch.backends.mps.is_available():
-            return torch.device("mps")
-        if torch.cuda.is_available():
-            return torch.device("cuda")
-        return torch.device("cpu")
-    if kind == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device.kind is 'cuda' but torch sees no CUDA device")
-    if kind == "mps" and not torch.backends.mps.is_available():
-        raise ValueError("device.kind is 'mps' but MPS is not available (Apple Silicon and macOS 12.3+ only)")
-    return torch.device(kind)
 
 
 class Trainer:
@@ -441,11 +327,9 @@ class Trainer:
         stats.loss_sum = float(loss_sum)
         self.samples_total += stats.samples
         stats.inner_s = time.monotonic() - stats.started
-        telemetry.SAMPLES.inc(stats.samples)
-        if stats.steps:
-            telemetry.INNER_STEP_DURATION.observe(stats.inner_s / stats.steps)
-            telemetry.TRAIN_LOSS.set(stats.loss)
-            telemetry.SAMPLES_PER_SECOND.set(stats.samples / max(stats.inner_s, 1e-9))
+        telemetry.observe_inner_phase(
+            steps=stats.steps, samples=stats.samples, seconds=stats.inner_s, loss=stats.loss
+        )
         self.board.update(
             samples_round=stats.samples,
             samples_total=self.samples_total,
@@ -528,17 +412,9 @@ class Trainer:
         duration = time.monotonic() - stats.started  # the round itself, before this peer's evaluation
         val_loss = evaluate(self.model, self.corpus, self.cfg, self.device)["val_loss"]
         self.val_losses.append((self.round, val_loss))
-        if report.applied:
-            telemetry.OUTER_STEPS.inc()
-        if report.failure in telemetry.FAILURE_REASONS:
-            telemetry.OUTER_STEP_FAILURES.labels(reason=report.failure).inc()
-        telemetry.OUTER_STEP_DURATION.observe(duration)
-        telemetry.SYNC_DURATION.observe(stats.sync_s)
-        telemetry.AVERAGING_SENT.inc(report.bytes_sent)
-        telemetry.AVERAGING_RECEIVED.inc(report.bytes_received)
-        telemetry.GROUP_SIZE.set(report.group_size)
-        telemetry.VALIDATION_LOSS.set(val_loss)
-        telemetry.ROUND.set(self.round)
+        telemetry.observe_outer_step(
+            report, round=self.round, duration_s=duration, sync_s=stats.sync_s, val_loss=val_loss
+        )
         # The canonical line: one per outer step, everything a person or a log pipeline needs about the round.
         self.log.info(
             "outer step",
@@ -625,31 +501,30 @@ class Trainer:
     # ------------------------------------------------------------------------------ state moves
 
     def resume_from_checkpoint(self) -> None:
-        """Continue from the newest valid checkpoint of this experiment in checkpoint.dir, if any.
-
-        A file that is corrupted, truncated or of another config is refused with a warning and the next
-        newest is tried: a bad file is never loaded silently, and a good older one is not ignored.
-        """
-        for path in checkpoint.candidates(self.checkpoint_dir):
-            try:
-                state = checkpoint.load_state(self.model, path, self.cfg.training_hash())
-                self.diloco.load_state_tensors(state.outer, round=state.round)
-                state.load_inner_into(self.inner_opt)
-            except (checkpoint.CheckpointError, ValueError) as e:
-                self.log.warning("refused a checkpoint", path=str(path), reason=str(e))
-                continue
-            if state.residuals and self.diloco.error_feedback is not None:
-                self.diloco.error_feedback.residuals = [r.clone() for r in state.residuals]
-            self.inner_steps_total = state.counters.get("inner_steps_total", 0)
-            self.samples_total = state.counters.get("samples_total", 0)
-            self.log.info(
-                "resumed from checkpoint",
-                path=str(path),
-                round=state.round,
-                inner_optimizer=bool(state.inner),
-                inner_steps_total=self.inner_steps_total,
-            )
+        """Continue from the newest valid checkpoint of this experiment in checkpoint.dir, if any."""
+        resumed = checkpoint.resume_latest(
+            self.checkpoint_dir,
+            self.model,
+            self.diloco,
+            self.inner_opt,
+            self.cfg.training_hash(),
+            on_refused=lambda path, reason: self.log.warning(
+                "refused a checkpoint", path=str(path), reason=reason
+            ),
+        )
+        if resumed is None:
             return
+        path, state = resumed
+        self.inner_steps_total = state.counters.get("inner_steps_total", 0)
+        self.samples_total = state.counters.get("samples_total", 0)
+        self.memory.restore(state.counters)  # a peer left behind before its restart is still behind
+        self.log.info(
+            "resumed from checkpoint",
+            path=str(path),
+            round=state.round,
+            inner_optimizer=bool(state.inner),
+            inner_steps_total=self.inner_steps_total,
+        )
 
     def load_state(
         self, donors: Sequence[str], *, rebase: bool = False, round: int | None = None, min_round: int = 0
@@ -683,21 +558,19 @@ class Trainer:
         return False
 
     def _adopt_state_of(self, donor: str, *, round: int | None, min_round: int) -> str | None:
-        """Download ``donor``'s state and load it into DiLoCo; None, or why it was refused."""
-        got = self.averager.download_state([donor], timeout=self.cfg.swarm.state_download_timeout_s)
-        if got is None:
-            return "no state served"
-        _, meta, tensors = got
-        problem = check_state(
-            meta,
-            tensors,
+        """Download ``donor``'s state, check it and load it into DiLoCo; None, or why it was refused."""
+        got = fetch_state(
+            self.averager,
+            donor,
+            timeout=self.cfg.swarm.state_download_timeout_s,
             run_id=self.cfg.run.run_id,
             config_hash=self.cfg.training_hash(),
             round=round,
             min_round=min_round,
         )
-        if problem is not None:
-            return problem
+        if isinstance(got, str):
+            return got
+        meta, tensors = got
         try:
             self.diloco.load_state_tensors(tensors, round=meta["round"])
         except ValueError as e:  # shapes or values that do not fit this model
@@ -721,7 +594,11 @@ class Trainer:
             self.cfg,
             peer_id=self.peer_id,
             inner_optimizer=None if name in (Outcome.FINAL, Outcome.DIVERGED) else self.inner_opt,
-            counters={"inner_steps_total": self.inner_steps_total, "samples_total": self.samples_total},
+            counters={
+                "inner_steps_total": self.inner_steps_total,
+                "samples_total": self.samples_total,
+                **self.memory.counters(),
+            },
         )
         return path
 

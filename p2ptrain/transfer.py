@@ -9,7 +9,7 @@ any error (seen in tests/integration/test_averaging.py): only the checksum catch
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -67,3 +67,28 @@ def check_state(
     ):
         return "checksum mismatch"
     return None
+
+
+class StateSource(Protocol):
+    def download_state(self, donors: Sequence[str], timeout: float) -> tuple[str, Any, list] | None: ...
+
+
+def fetch_state(
+    source: StateSource,
+    donor: str,
+    *,
+    timeout: float,
+    run_id: str,
+    config_hash: str,
+    round: int | None = None,
+    min_round: int = 0,
+) -> tuple[dict[str, Any], list[torch.Tensor]] | str:
+    """Download ``donor``'s state and check it (:func:`check_state`): (metadata, tensors), or why not."""
+    got = source.download_state([donor], timeout=timeout)
+    if got is None:
+        return "no state served"
+    _, metadata, tensors = got
+    problem = check_state(
+        metadata, tensors, run_id=run_id, config_hash=config_hash, round=round, min_round=min_round
+    )
+    return problem if problem is not None else (metadata, tensors)

@@ -1,3 +1,4 @@
+import os
 import socket
 import sys
 from pathlib import Path
@@ -12,16 +13,28 @@ def p2ptrain_cmd() -> list[str]:
     return [sys.executable, "-m", "p2ptrain"]
 
 
-def _p2pd_processes() -> set[int]:
-    pids = set()
+def _our_p2pd_processes() -> set[int]:
+    """p2pd processes descending from this test process (not another swarm's on the same machine)."""
+    parents: dict[int, int] = {}
+    names: dict[int, str] = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
-                if (entry / "comm").read_text().strip() == "p2pd":
-                    pids.add(int(entry.name))
+                stat = (entry / "stat").read_text()
             except OSError:
                 continue
-    return pids
+            pid = int(entry.name)
+            names[pid] = stat[stat.index("(") + 1 : stat.rindex(")")]
+            parents[pid] = int(stat[stat.rindex(")") + 2 :].split()[1])
+    me, ours = os.getpid(), set()
+    for pid, name in names.items():
+        if name == "p2pd":
+            ancestor = parents.get(pid, 0)
+            while ancestor > 1 and ancestor != me:
+                ancestor = parents.get(ancestor, 0)
+            if ancestor == me:
+                ours.add(pid)
+    return ours
 
 
 @pytest.fixture(autouse=True)
@@ -37,6 +50,6 @@ def _unit_tests_use_no_network(request, monkeypatch):
 
     for method in ("bind", "connect", "connect_ex"):
         monkeypatch.setattr(socket.socket, method, refuse)
-    before = _p2pd_processes()
+    before = _our_p2pd_processes()
     yield
-    assert not (_p2pd_processes() - before), "a unit test started p2pd; move it to tests/integration/"
+    assert not (_our_p2pd_processes() - before), "a unit test started p2pd; move it to tests/integration/"

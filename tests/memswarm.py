@@ -24,8 +24,9 @@ import torch
 from p2ptrain.compression import roundtrip
 from p2ptrain.config import ExperimentConfig, load_config
 from p2ptrain.diloco import AverageResult, AveragingFailed
+from p2ptrain.link import Link
 from p2ptrain.records import PeerState, ProgressRecord
-from p2ptrain.trainer import Link, RunResult, Trainer
+from p2ptrain.trainer import RunResult, Trainer
 from tests.conftest import ROOT
 
 # Rounds of tens of milliseconds, timers of a fraction of a second: a whole swarm runs in seconds.

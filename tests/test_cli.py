@@ -84,7 +84,7 @@ def test_eval_of_a_bad_file_is_a_clear_error(tmp_path):
 
 
 @pytest.mark.parametrize("outcome", ["stranded", "diverged"])
-def test_a_peer_that_ends_without_the_swarms_final_model_exits_1_with_one_line(
+def test_a_peer_that_ends_without_the_swarms_final_model_exits_3_with_one_line(
     monkeypatch, tmp_path, outcome
 ):
     """The exit status follows the trainer's outcome (the outcomes themselves: tests/test_rounds.py)."""
@@ -104,5 +104,5 @@ def test_a_peer_that_ends_without_the_swarms_final_model_exits_1_with_one_line(
     monkeypatch.setattr("p2ptrain.logs.configure", lambda *a, **k: None)
     monkeypatch.setattr(cli, "install_stop_handlers", lambda stop: None)
     result = CliRunner().invoke(cli.app, ["join", "--set", f"checkpoint.dir={tmp_path}"])
-    assert result.exit_code == 1
+    assert result.exit_code == 3
     assert result.output.strip().splitlines()[-1] == f"error: this peer is {outcome}"

@@ -202,6 +202,11 @@ def test_the_fork_case_a_newcomer_left_with_no_donor_never_writes_a_final_model(
     assert not (tmp_path / "c" / "final.safetensors").exists()
     assert peers["c"].trainer.rounds_applied == [], "it trained rounds the swarm had left behind"
     assert "finished the run" in result.reason
+    # Restarted (by hand, or by a service manager) with the swarm gone, it still knows it was left behind.
+    again = PeerThread(MemorySwarm(), "c", fast_config(tmp_path, "c", **rounds))
+    result = again.join()
+    assert result.outcome == Outcome.STRANDED and again.trainer.rounds_applied == [], result
+    assert not (tmp_path / "c" / "final.safetensors").exists()
 
 
 def test_the_fork_case_when_the_finished_peer_is_still_there(tmp_path):

@@ -30,7 +30,9 @@ def _burn() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--hogs", type=int, default=2, help="CPU-bound processes running beside the suite")
     parser.add_argument("--json", type=Path, default=None, help="append the results to this JSON file")
@@ -50,7 +52,9 @@ def main(argv: list[str] | None = None) -> int:
             )
             wall = time.monotonic() - t0
             summary = (out.stdout.strip().splitlines() or ["(no output)"])[-1]
-            runs.append({"run": i + 1, "ok": out.returncode == 0, "wall_s": round(wall, 1), "summary": summary})
+            runs.append(
+                {"run": i + 1, "ok": out.returncode == 0, "wall_s": round(wall, 1), "summary": summary}
+            )
             print(f"run {i + 1}/{args.runs} with {args.hogs} hog(s): {summary} [{wall:.0f} s]", flush=True)
             if out.returncode != 0:
                 failed = [line for line in out.stdout.splitlines() if line.startswith(("FAILED", "ERROR"))]

@@ -1,0 +1,116 @@
+"""The trainer's link to the swarm: a records board and an averager, behind two small interfaces.
+
+:func:`connect_hivemind` builds the real ones: a DHT child (with ``p2pd``) for the records and an averager
+child for the all-reduce and state transfer, forked from this process. Tests connect trainers to an
+in-memory swarm instead (``tests/memswarm.py``), so that the round protocol runs in one process.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from hivemind.compression import CompressionBase
+
+from p2ptrain import telemetry
+from p2ptrain.config import ExperimentConfig
+from p2ptrain.diloco import AverageResult
+from p2ptrain.records import ProgressRecord
+
+StateProvider = Callable[[], tuple[dict, list[torch.Tensor]]]
+"""What a donor serves: metadata and tensors (``transfer.donation``)."""
+
+
+class Board(Protocol):
+    """The swarm's progress records, as one peer reads and writes them (``swarm.Swarm`` on a DHT)."""
+
+    peer_id: str
+
+    def visible_maddrs(self) -> list[str]: ...
+
+    def start(self) -> None:
+        """Start publishing our record (a heartbeat)."""
+
+    def update(self, **changes: Any) -> None:
+        """Change fields of our record (``round``, ``state``, ``params_hash``, samples...)."""
+
+    def records(self) -> dict[str, ProgressRecord]:
+        """Every unexpired record by peer id, ``left`` ones and our own included."""
+        ...
+
+    def shutdown(self) -> None: ...
+
+
+class PeerAverager(Protocol):
+    """The all-reduce and state transfer (``averaging.SwarmAverager`` on hivemind)."""
+
+    def average(self, tensors: Sequence[torch.Tensor], *, weight: float, round: int) -> AverageResult: ...
+
+    def download_state(self, donors: Sequence[str], timeout: float) -> tuple[str, Any, list] | None:
+        """(donor, metadata, tensors) from the first donor that serves its state, or None."""
+        ...
+
+    def set_round(self, round: int) -> None: ...
+
+    def shutdown(self) -> None: ...
+
+
+@dataclass
+class Link:
+    board: Board
+    averager: PeerAverager
+
+    def shutdown(self) -> None:
+        self.averager.shutdown()
+        self.board.shutdown()
+
+
+class Connect(Protocol):
+    def __call__(
+        self,
+        cfg: ExperimentConfig,
+        *,
+        device: str,
+        shapes: list[torch.Size],
+        codec: CompressionBase,
+        state_provider: StateProvider,
+        stop: threading.Event,
+    ) -> Link: ...
+
+
+def connect_hivemind(
+    cfg: ExperimentConfig,
+    *,
+    device: str,
+    shapes: list[torch.Size],
+    codec: CompressionBase,
+    state_provider: StateProvider,
+    stop: threading.Event,
+) -> Link:
+    """Join the swarm for real: a DHT child (with p2pd) and an averager child, forked from this process.
+
+    Raises:
+        SwarmError: the swarm cannot be reached.
+    """
+    from p2ptrain.averaging import SwarmAverager
+    from p2ptrain.swarm import Swarm
+
+    swarm = Swarm(cfg.run.run_id, cfg.swarm, device=device, observers=[telemetry.observe_swarm])
+    try:
+        averager = SwarmAverager(
+            swarm.dht,
+            run_id=cfg.run.run_id,
+            shapes=shapes,
+            cfg=cfg.averaging,
+            codec=codec,
+            client_mode=cfg.swarm.client_mode,
+            state_provider=state_provider,
+            stop=stop,
+        )
+    except BaseException:
+        swarm.shutdown(say_goodbye=False)
+        raise
+    return Link(swarm, averager)
