@@ -50,12 +50,14 @@ def save(
     peer_id: str = "",
     inner_optimizer: torch.optim.Optimizer | None = None,
     counters: dict[str, int] | None = None,
+    swarm: dict | None = None,
 ) -> None:
     """Write the global params, outer momentum, EF residual and (optionally) the inner optimizer's state.
 
     Args:
         inner_optimizer: its per-param state is stored by param name (e.g. ``inner_optimizer.wte.weight.exp_avg``).
         counters: integers to restore on resume (inner steps done, samples done), kept in the metadata.
+        swarm: what the peer has seen of the swarm (``protocol.SwarmMemory.to_dict``), kept in the metadata.
     """
     names = param_names(model)
     snap = diloco.snapshot()
@@ -79,6 +81,7 @@ def save(
         "params_hash": tensors_hash(params),
         "state_hash": _all_tensors_hash(tensors),
         "counters": json.dumps(counters or {}),
+        "swarm": json.dumps(swarm or {}),
         "config": json.dumps(cfg.model_dump(mode="json")),
     }
     path = Path(path)
@@ -253,10 +256,28 @@ def resume_latest(
     return None
 
 
-def candidates(directory: Path) -> list[Path]:
+NOT_RESUMABLE = ("diverged.safetensors",)
+"""Files a peer never continues from: a final state the swarm did not keep."""
+
+
+def candidates(directory: Path, *, resumable_only: bool = True) -> list[Path]:
     """Checkpoint files in ``directory``, newest first (by modification time)."""
     files = [f for f in Path(directory).glob("*.safetensors") if f.is_file()]
+    if resumable_only:
+        files = [f for f in files if f.name not in NOT_RESUMABLE]
     return sorted(files, key=lambda f: f.stat().st_mtime, reverse=True)
+
+
+def read_swarm_memory(path: Path) -> dict:
+    """What the peer that wrote ``path`` had seen of the swarm ({} if the file does not say, or is unreadable)."""
+    try:
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as f:
+            saved = json.loads((f.metadata() or {}).get("swarm", "{}"))
+    except (SafetensorError, OSError, ValueError):
+        return {}
+    return saved if isinstance(saved, dict) else {}
 
 
 def prune(directory: Path, keep_last: int) -> None:
@@ -276,6 +297,7 @@ __all__ = [
     "load_into",
     "load_state",
     "prune",
+    "read_swarm_memory",
     "resume_latest",
     "save",
 ]

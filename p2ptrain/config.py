@@ -220,11 +220,13 @@ class SwarmConfig(_Section):
     """A peer whose record is older than this is considered gone."""
     state_download_timeout_s: float = Field(default=60.0, gt=0.0)
     """Give up downloading the swarm's state from one donor after this long and try the next."""
-    catch_up_timeout_s: float = Field(default=300.0, gt=0.0)
-    """A peer behind the swarm never trains a round the swarm has left behind: it keeps asking every live
-    peer that holds the swarm's newer state (with backoff). If none is alive for this long (they crashed or
-    left), it stops with exit code 3 and keeps its own state in interrupted.safetensors; at once if the swarm
-    has finished the run."""
+    catch_up_timeout_s: float = Field(default=120.0, gt=0.0)
+    """A peer behind the swarm never trains a round the swarm has left behind: it asks the live peers that
+    hold the swarm's newer state (with backoff), or waits for one to come back. If it has not got that state
+    after this long (its holders crashed, or cannot serve it), it goes on from its own state when it is one
+    round behind (that round's progress is lost, not forked), and stops with exit code 3 when it is further
+    behind. If the swarm has finished the run and nobody serves its final state, it stops at once. Must be
+    shorter than averaging.barrier_timeout_s."""
     linger_s: float = Field(default=300.0, ge=0.0)
     """After its last round, a peer stays this long at most, serving its final state while any live peer is
     behind, loading, or finished with other params (it leaves as soon as every other live peer is done with
@@ -327,6 +329,13 @@ class ExperimentConfig(BaseSettings):
 
     @model_validator(mode="after")
     def _check_linger(self) -> ExperimentConfig:
+        if self.swarm.catch_up_timeout_s >= self.averaging.barrier_timeout_s:
+            # A peer ahead that cannot serve its state waits at its barrier for those behind, who give up on
+            # it and come to its round: they must do so before its barrier gives up on them.
+            raise ValueError(
+                f"swarm.catch_up_timeout_s ({self.swarm.catch_up_timeout_s}) must be shorter than "
+                f"averaging.barrier_timeout_s ({self.averaging.barrier_timeout_s})"
+            )
         a = self.averaging
         worst_sync = (1 + a.retries) * (a.matchmaking_timeout_s + a.allreduce_timeout_s)
         if 0 < self.swarm.linger_s < worst_sync:

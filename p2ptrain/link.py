@@ -37,6 +37,9 @@ class Board(Protocol):
     def update(self, **changes: Any) -> None:
         """Change fields of our record (``round``, ``state``, ``params_hash``, samples...)."""
 
+    def subscribe(self, observer: Callable[[dict[str, ProgressRecord]], None]) -> None:
+        """Call ``observer`` with every reading of the records (the heartbeat's included)."""
+
     def records(self) -> dict[str, ProgressRecord]:
         """Every unexpired record by peer id, ``left`` ones and our own included."""
         ...

@@ -1,18 +1,21 @@
 """The round protocol: how peers agree on rounds without a coordinator, as pure decisions.
 
 Every function here takes what a peer knows (its own round and params hash, the others' progress
-records, the time) and returns a decision; none of them touches the network, the model or a clock.
-The trainer gathers the inputs, calls them, and carries the decisions out. So every rule below can be
-tested with a table of records, and every peer that sees the same records decides the same.
+records, what it has seen before (:class:`SwarmMemory`), the time) and returns a decision; none of them
+touches the network, the model or a clock. The trainer gathers the inputs, calls them, and carries the
+decisions out. So every rule below can be tested with a table of records, and peers that know the same
+decide the same.
 
 The rules, in the order a round meets them (docs/architecture.md has them in one table):
 
 * **Catch up** (:func:`catch_up`). A peer behind the highest round that a live peer holds params of
   downloads that round's state from a holder of its canonical params (most samples first). A donor
   that fails is asked again later (:class:`DonorBackoff`), never given up on while it is alive.
-* **Never train a round the swarm has left behind** (:func:`stranded`). A peer that has seen the swarm
-  at a later round trains no round before it: it keeps asking. If the swarm finished and its peers
-  are gone, or nobody ahead has been alive for ``swarm.catch_up_timeout_s``, it stops and says so.
+* **Never train a round the swarm has left behind** (:func:`behind`). A peer that has seen the swarm at a
+  later round trains no round before it: it keeps asking. If the swarm finished and nobody serves its
+  final state, it stops and says so. If nobody gives it the newer state for ``swarm.catch_up_timeout_s``
+  (its holders crashed, or cannot serve it), it goes on from its own state when one round behind, and
+  stops when further behind.
 * **Roster** (:func:`roster`). A round's data shards go to the sorted ids of the peers of the round.
 * **Barrier** (:func:`barrier`). After its inner phase a peer waits for every live peer that will train
   its round (those in it, and those one round behind) to finish theirs, until a deadline; if the swarm
@@ -30,6 +33,7 @@ The rules, in the order a round meets them (docs/architecture.md has them in one
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
@@ -124,70 +128,149 @@ class DonorBackoff:
         return min((t for t in self._until.values() if t > now), default=now)
 
 
-@dataclass
 class SwarmMemory:
     """What a peer has seen of the swarm over time, beyond the records alive right now.
 
-    A peer that finished and left, or crashed, takes its record with it; what it showed stays here.
+    A peer that finished and left, or crashed, takes its record with it; what it showed stays here. The
+    heartbeat feeds every reading of the records into it (also while the peer trains), and checkpoints
+    keep it (:meth:`to_dict`), so that a restarted peer still knows that the swarm finished without it.
+    Thread-safe: the heartbeat thread observes while the trainer decides.
     """
 
-    num_rounds: int
-    highest_round: int = -1
-    """The highest round a peer has been seen holding params of."""
-    final_votes: dict[str, Vote] = field(default_factory=dict)
-    """Each peer seen with final params (round ``num_rounds``, done or left): its vote."""
-    swarm_finished: bool = False
-    """Some peer finished the run (kept in checkpoints: a restarted peer still knows it)."""
-    behind_since: float | None = None
-    """Since when we have been behind with no live peer ahead to load from (see :func:`stranded`)."""
+    def __init__(self, num_rounds: int):
+        self.num_rounds = num_rounds
+        self.highest_round = -1
+        """The highest round a peer (not one we gave up on) has been seen holding params of."""
+        self.swarm_finished = False
+        """Some peer finished the run: a final model of this swarm exists."""
+        self.behind_since: float | None = None
+        """Since when we have been behind without getting the newer state (see :func:`behind`)."""
+        self._final_votes: dict[str, Vote] = {}
+        self._ignored: set[str] = set()
+        self._lock = threading.Lock()
 
     def observe(self, records: Records) -> None:
-        for r in records.values():
-            if r.params_hash and r.state != PeerState.LOADING:
-                self.highest_round = max(self.highest_round, r.round)
+        with self._lock:
+            for r in records.values():
+                if not r.params_hash or r.state == PeerState.LOADING:
+                    continue
                 if r.round >= self.num_rounds and r.state in (PeerState.DONE, PeerState.LEFT):
-                    self.final_votes[r.peer_id] = Vote.of(r)
+                    self._final_votes[r.peer_id] = Vote.of(r)
                     self.swarm_finished = True
+                if r.peer_id not in self._ignored:
+                    self.highest_round = max(self.highest_round, r.round)
 
-    def counters(self) -> dict[str, int]:
-        """What a checkpoint keeps of it, so that a restarted peer does not forget that the swarm was ahead."""
-        return {"swarm_round_seen": self.highest_round, "swarm_finished": int(self.swarm_finished)}
+    def final_votes(self) -> list[Vote]:
+        """The vote of every peer seen with final params (round ``num_rounds``, done or left)."""
+        with self._lock:
+            return list(self._final_votes.values())
 
-    def restore(self, counters: Mapping[str, int]) -> None:
-        self.highest_round = max(self.highest_round, counters.get("swarm_round_seen", -1))
-        self.swarm_finished = self.swarm_finished or bool(counters.get("swarm_finished", 0))
+    def give_up_on(self, peers: Iterable[str], my_round: int) -> None:
+        """We could not get the newer state these peers hold: go on from ours, and stop counting them as
+        ahead (until they are no longer ahead of us)."""
+        with self._lock:
+            self._ignored |= set(peers)
+            self.highest_round = my_round
+            self.behind_since = None
+
+    def visible(self, others: Records, my_round: int) -> dict[str, ProgressRecord]:
+        """The records that decisions look at: without the peers ahead of us that we gave up on."""
+        with self._lock:
+            self._ignored -= {pid for pid, r in others.items() if r.round <= my_round}
+            return {pid: r for pid, r in others.items() if pid not in self._ignored}
+
+    def to_dict(self) -> dict:
+        with self._lock:
+            return {
+                "highest_round": self.highest_round,
+                "swarm_finished": self.swarm_finished,
+                "final_votes": {
+                    pid: [v.params_hash, v.last_group_size] for pid, v in self._final_votes.items()
+                },
+            }
+
+    def restore(self, saved: Mapping) -> None:
+        """Merge what a checkpoint kept (:meth:`to_dict`); malformed parts are ignored."""
+        with self._lock:
+            if isinstance(saved.get("highest_round"), int):
+                self.highest_round = max(self.highest_round, saved["highest_round"])
+            self.swarm_finished = self.swarm_finished or saved.get("swarm_finished") is True
+            votes = saved.get("final_votes")
+            for pid, vote in (votes if isinstance(votes, dict) else {}).items():
+                if isinstance(vote, list) and len(vote) == 2:
+                    self._final_votes.setdefault(str(pid), Vote(str(vote[0]), int(vote[1])))
+
+
+class BehindState(str, Enum):
+    NO = "no"
+    """Not behind: train."""
+    LOAD = "load"
+    """Behind: load the newer state from ``plan.donors``."""
+    WAIT = "wait"
+    """Behind, and nobody to ask right now: wait (a donor rests, or a peer ahead may come back)."""
+    GO_ON = "go_on"
+    """Behind for ``swarm.catch_up_timeout_s`` by one round only, without getting the newer state (its holders
+    crashed, or cannot serve it): go on from our own state; that one round's progress is lost, not forked."""
+    STRANDED = "stranded"
+    """Stop: see :class:`Stranded`."""
 
 
 class Stranded(str, Enum):
-    """Why a peer behind the swarm gives up (see :func:`stranded`)."""
+    """Why a peer behind the swarm stops rather than train on (exit code 3)."""
 
     SWARM_FINISHED = "the swarm finished the run and no live peer serves its final state"
-    NOBODY_AHEAD = "no live peer holds the swarm's newer state"
+    TOO_FAR_BEHIND = (
+        "no live peer served the swarm's newer state, and this peer is more than one round behind: "
+        "training on alone would redo rounds the swarm has left behind"
+    )
 
 
-def stranded(
-    me: Me, others: Records, memory: SwarmMemory, *, now: float, timeout_s: float
-) -> Stranded | None:
-    """Whether a peer that cannot catch up should give up rather than train a round the swarm has left.
+@dataclass(frozen=True)
+class Behind:
+    state: BehindState
+    plan: CatchUp | None = None
+    ahead: list[str] = field(default_factory=list)
+    """GO_ON: the peers ahead that we give up on."""
+    why: Stranded | None = None
 
-    A peer that is behind (the swarm was seen past its round) trains no round before the swarm's: it keeps
-    asking live holders. With none alive, it gives up at once if the swarm finished (nobody will come back
-    with the final state), else after ``timeout_s`` (a crashed peer ahead may restart from its checkpoint).
+
+def behind(
+    me: Me, others: Records, memory: SwarmMemory, *, now: float, resting: Iterable[str], timeout_s: float
+) -> Behind:
+    """Whether a peer is behind the swarm, and what to do about it.
+
+    Behind means: a live peer holds params of a later round, or one was seen to (it may have crashed or
+    left since). A behind peer never trains a round the swarm has left behind; it asks the holders of the
+    newer state (``LOAD``), or waits for one (``WAIT``). If the swarm finished and nobody alive serves the
+    final state, it stops (``STRANDED``). If ``timeout_s`` passes without getting the newer state, it goes on
+    from its own state when it is one round behind (``GO_ON``: the holders crashed, or cannot serve it; a
+    crash must not end the swarm), and stops when it is further behind (its state is not the swarm's).
     Updates ``memory.behind_since``.
+
+    Args:
+        others: the records to decide on (:meth:`SwarmMemory.visible`).
+        resting: donors not to ask now (:class:`DonorBackoff`).
     """
-    if memory.highest_round <= me.round:
+    plan = catch_up(me, others, resting=resting)
+    ahead_round = max(memory.highest_round, plan.round if plan else -1)
+    if ahead_round <= me.round:
         memory.behind_since = None
-        return None
-    if any(r.holds_params and r.round > me.round for r in others.values()):
-        memory.behind_since = None
-        return None
-    if memory.swarm_finished and me.round < memory.num_rounds:
-        return Stranded.SWARM_FINISHED
+        return Behind(BehindState.NO)
     if memory.behind_since is None:
         memory.behind_since = now
-    if now - memory.behind_since >= timeout_s:
-        return Stranded.NOBODY_AHEAD
-    return None
+    finished = memory.swarm_finished and me.round < memory.num_rounds
+    if finished and plan is None:
+        return Behind(BehindState.STRANDED, why=Stranded.SWARM_FINISHED)
+    if now - memory.behind_since < timeout_s:
+        if plan is not None and plan.donors:
+            return Behind(BehindState.LOAD, plan)
+        return Behind(BehindState.WAIT, plan)
+    if finished:
+        return Behind(BehindState.STRANDED, why=Stranded.SWARM_FINISHED)
+    if me.round < ahead_round - 1:
+        return Behind(BehindState.STRANDED, why=Stranded.TOO_FAR_BEHIND)
+    ahead = sorted(pid for pid, r in others.items() if r.holds_params and r.round > me.round)
+    return Behind(BehindState.GO_ON, plan, ahead=ahead)
 
 
 # --------------------------------------------------------------------------------------------- a round
@@ -227,23 +310,26 @@ class Barrier:
     timed_out: bool = False
 
 
-def barrier(me: Me, others: Records, *, now: float, deadline: float) -> Barrier:
+def barrier(
+    me: Me, others: Records, *, now: float, deadline: float, swarm_finished: bool = False, num_rounds: int = 0
+) -> Barrier:
     """The barrier after our inner phase: go, wait, or give up the round as stale.
 
     We wait for the live peers that will train our round: those in it (loading into it included), and
-    those one round behind, in their inner phase or sync of the previous round: they will either step into
-    ours or load our state (they see us ahead), and then train it. Without them, a peer whose last sync
-    failed would find the others gone ahead alone, round after round.
+    those one round behind, in their inner phase, sync or catch-up: they will step into ours or load our
+    state (they see us ahead), and then train it. Without them, a peer whose last sync failed would find the
+    others gone ahead alone, round after round; and a peer ahead that cannot serve its state would run away
+    alone while the others wait for it (they give up on it after ``swarm.catch_up_timeout_s``, which is
+    shorter than the barrier's deadline, and meet it again in its round).
+
+    A swarm that finished the run (``swarm_finished``, seen by this peer at any time) makes a round before
+    ``num_rounds`` stale even if the peers that finished are gone: their final model exists.
     """
-    if any(r.holds_params and r.round > me.round for r in others.values()):
+    if _past(me, others) or (swarm_finished and me.round < num_rounds):
         return Barrier(BarrierState.STALE)
     coming = (PeerState.LOADING, PeerState.TRAINING, PeerState.AVERAGING)
     same = [r for r in others.values() if r.round == me.round and r.state in coming]
-    behind = [
-        r
-        for r in others.values()
-        if r.round == me.round - 1 and r.state in (PeerState.TRAINING, PeerState.AVERAGING)
-    ]
+    behind = [r for r in others.values() if r.round == me.round - 1 and r.state in coming]
     ready = sorted((r for r in same if r.state == PeerState.AVERAGING), key=lambda r: r.peer_id)
     waiting = sorted(
         [r.peer_id for r in same if r.state != PeerState.AVERAGING] + [r.peer_id for r in behind]
@@ -264,12 +350,16 @@ def rebase_donors(me: Me, group: Iterable[ProgressRecord]) -> list[str] | None:
     return [r.peer_id for r in group if r.params_hash == canon]
 
 
-def may_step_alone(me: Me, others: Records) -> bool:
-    """After a failed all-reduce: apply our own pseudo-gradient only if nobody is past our round yet.
-
-    Otherwise our step would fork the params: the swarm's state of the next round exists, and we load it.
+def may_step_alone(me: Me, others: Records, *, swarm_finished: bool = False) -> bool:
+    """After a failed all-reduce: apply our own pseudo-gradient only if nobody is past our round yet, and
+    the swarm has not finished. Otherwise our step would fork the params: the swarm's state of the next round
+    exists, and we load it.
     """
-    return not any(r.holds_params and r.round > me.round for r in others.values())
+    return not _past(me, others) and not swarm_finished
+
+
+def _past(me: Me, others: Records) -> bool:
+    return any(r.holds_params and r.round > me.round for r in others.values())
 
 
 # ------------------------------------------------------------------------------------------- the end
@@ -311,7 +401,7 @@ def linger(me: Me, others: Records, memory: SwarmMemory) -> Linger:
 
 def final_params_hash(me: Me, memory: SwarmMemory) -> str | None:
     """The swarm's final params: the canonical ones among ours and every final state we saw."""
-    return canonical_hash([me.vote, *memory.final_votes.values()])
+    return canonical_hash([me.vote, *memory.final_votes()])
 
 
 def final_verdict(me: Me, memory: SwarmMemory) -> bool:

@@ -136,7 +136,7 @@ class Swarm:
     DHT call here holds ``self._lock``.
 
     Args:
-        observers: called with the live records after every read (telemetry's swarm gauges subscribe).
+        observers: called with the live records after every read (telemetry's swarm gauges).
     """
 
     def __init__(
@@ -152,11 +152,16 @@ class Swarm:
         self.status = LocalStatus()
         self.split_watch = SplitWatch(cfg.split_warning_s)
         self._observers = list(observers)
+        self._subscribers: list[RecordsObserver] = []
         self._watch_lock = threading.Lock()
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._heartbeat: threading.Thread | None = None
+
+    def subscribe(self, observer: RecordsObserver) -> None:
+        """Call ``observer`` with every record (``left`` ones included) after every reading."""
+        self._subscribers.append(observer)
 
     def visible_maddrs(self) -> list[str]:
         with self._lock:
@@ -221,6 +226,8 @@ class Swarm:
         live = {pid: r for pid, r in records.items() if r.state != PeerState.LEFT}
         for observe in self._observers:
             observe(live)
+        for subscriber in self._subscribers:
+            subscriber(records)
         self.status.seen = len(live.keys() | {self.peer_id})
         self.status.view = view_hash(live.keys() | {self.peer_id})
         with self._watch_lock:  # read by the heartbeat thread and the trainer

@@ -31,7 +31,7 @@ from p2ptrain.link import Connect, Link, connect_hivemind
 from p2ptrain.logs import bind, get_logger
 from p2ptrain.models import build_model, num_params
 from p2ptrain.progress import InnerProgress, terminal_progress_enabled
-from p2ptrain.protocol import BarrierState, LingerState, Me
+from p2ptrain.protocol import BarrierState, BehindState, LingerState, Me
 from p2ptrain.records import PeerState, ProgressRecord
 from p2ptrain.transfer import donation, fetch_state
 
@@ -113,7 +113,10 @@ class Trainer:
         self.val_losses: list[tuple[int, float]] = []
         self.rounds_applied: list[int] = []
         """Every round whose outer step this peer applied, in order (tests check none is applied twice)."""
+        self.loads: list[tuple[str, int]] = []
+        """Every state this peer loaded from another: (why, the round it got)."""
         self.memory = protocol.SwarmMemory(cfg.outer.num_rounds)
+        """What this peer has seen of the swarm (kept in its checkpoints)."""
         self.backoff = protocol.DonorBackoff(base_s=cfg.swarm.heartbeat_s, max_s=cfg.swarm.record_ttl_s)
         self.last_group_size = 0
         self.result: RunResult | None = None
@@ -188,6 +191,7 @@ class Trainer:
             stop=self.stop,
         )
         self.board, self.averager = self.link.board, self.link.averager
+        self.board.subscribe(self._remember)
         self.peer_id = self.board.peer_id
         self.log = log.bind(peer_id=self.peer_id[-8:])
         bind(peer_id=self.peer_id[-8:])
@@ -245,37 +249,47 @@ class Trainer:
                 time.sleep(self._poll_s)
 
     def catch_up(self) -> protocol.Stranded | None:
-        """While live peers hold a later round than ours, load their state; never train behind the swarm.
+        """While the swarm is past our round, load its state; never train a round it has left behind.
 
-        Returns None when we are at the swarm's round (or ahead of it, or alone), or why we cannot get
-        there: then we must not train on (see :func:`protocol.stranded`).
+        Returns None when we may train (we are at the swarm's round, or we gave up on peers one round ahead
+        that could not give us theirs), or why we must stop (see :func:`protocol.behind`).
         """
         loading = False
         while not self.stop.is_set():
-            others = self._others()
             now = time.monotonic()
-            plan = protocol.catch_up(self.me(), others, resting=self.backoff.resting(now))
-            if plan is None:
-                stranded = protocol.stranded(
-                    self.me(), others, self.memory, now=now, timeout_s=self.cfg.swarm.catch_up_timeout_s
+            decision = protocol.behind(
+                self.me(),
+                self._visible(),
+                self.memory,
+                now=now,
+                resting=self.backoff.resting(now),
+                timeout_s=self.cfg.swarm.catch_up_timeout_s,
+            )
+            if decision.state == BehindState.STRANDED:
+                return decision.why
+            if decision.state == BehindState.GO_ON:
+                self.log.warning(
+                    "could not get the swarm's newer state; going on from our own (one round of progress lost)",
+                    round=self.round,
+                    gave_up_on=[pid[-8:] for pid in decision.ahead],
                 )
-                if stranded is not None:
-                    return stranded
-                if self.memory.behind_since is None:  # not behind: train
-                    if loading:
-                        self.board.update(state=PeerState.TRAINING)
-                    return None
-                # Behind, and nobody ahead is alive: wait for a holder to come back (or the timeout).
+                self.memory.give_up_on(decision.ahead, self.round)
+            if decision.state in (BehindState.NO, BehindState.GO_ON):
+                if loading:
+                    self.board.update(state=PeerState.TRAINING)
+                return None
             if not loading:
                 loading = True
                 self.log.info(
-                    "behind the swarm, loading state",
-                    round=self.round,
-                    swarm_round=self.memory.highest_round,
-                    donors=len(plan.donors) + plan.resting if plan else 0,
+                    "behind the swarm, loading state", round=self.round, swarm_round=self.memory.highest_round
                 )
                 self.board.update(state=PeerState.LOADING)
-            if plan is not None and plan.donors and self.load_state(plan.donors, min_round=plan.round):
+            plan = decision.plan
+            if (
+                decision.state == BehindState.LOAD
+                and plan
+                and self.load_state(plan.donors, why="catch_up", min_round=plan.round)
+            ):
                 continue  # the swarm may have moved on meanwhile: look again
             wait = max(self._poll_s, self.backoff.next_try(time.monotonic()) - time.monotonic())
             self.stop.wait(min(wait, self.cfg.swarm.heartbeat_s * 4))
@@ -284,7 +298,7 @@ class Trainer:
     def inner_phase(self) -> RoundStats:
         """H local AdamW steps on this peer's shard of the round."""
         cfg = self.cfg
-        rank, world = protocol.roster(self.me(), self._others())
+        rank, world = protocol.roster(self.me(), self._visible())
         starts = self.corpus.shard(seed=cfg.run.seed, round=self.round, rank=rank, world=world)
         batches = self.corpus.batches(starts, cfg.inner.batch_size)
         stats = RoundStats()
@@ -347,7 +361,14 @@ class Trainer:
         self.board.update(state=PeerState.AVERAGING)
         deadline = time.monotonic() + self.cfg.averaging.barrier_timeout_s
         while True:
-            decision = protocol.barrier(self.me(), self._others(), now=time.monotonic(), deadline=deadline)
+            decision = protocol.barrier(
+                self.me(),
+                self._visible(),
+                now=time.monotonic(),
+                deadline=deadline,
+                swarm_finished=self.memory.swarm_finished,
+                num_rounds=self.cfg.outer.num_rounds,
+            )
             if decision.state == BarrierState.STALE:
                 self.log.info(
                     "the swarm moved past this round: dropping our pseudo-gradient", round=self.round
@@ -369,7 +390,7 @@ class Trainer:
         donors = protocol.rebase_donors(self.me(), decision.ready)
         if donors is not None:
             self.log.warning("params differ from the swarm's; rebasing onto them", round=self.round)
-            self.load_state(donors, rebase=True, round=self.round)
+            self.load_state(donors, why="rebase", rebase=True, round=self.round)
         return decision.ready
 
     def outer_sync(self, group: list[ProgressRecord], stats: RoundStats) -> OuterStepReport:
@@ -398,7 +419,7 @@ class Trainer:
         return report
 
     def _may_step_alone(self) -> bool:
-        if protocol.may_step_alone(self.me(), self._others()):
+        if protocol.may_step_alone(self.me(), self._visible(), swarm_finished=self.memory.swarm_finished):
             return True
         self.log.warning("averaging failed and the swarm moved on; will load its state", round=self.round)
         return False
@@ -451,17 +472,21 @@ class Trainer:
         if protocol.final_verdict(self.me(), self.memory):
             self.save(Outcome.FINAL)
         deadline = time.monotonic() + self.cfg.swarm.linger_s
+        no_holder_since: float | None = None
         while not self.stop.is_set():
             decision = protocol.linger(self.me(), self._others(), self.memory)
             if decision.state == LingerState.LEAVE:
                 break
             if decision.state == LingerState.ADOPT:
-                if not decision.donors:
-                    break  # the holders of the canonical final params have left
+                # No live holder of the canonical final params: one reading can miss a record; a record
+                # missing for record_ttl_s is gone.
+                no_holder_since = None if decision.donors else (no_holder_since or time.monotonic())
+                if no_holder_since and time.monotonic() - no_holder_since > self.cfg.swarm.record_ttl_s:
+                    break
                 donors = [d for d in decision.donors if d not in self.backoff.resting(time.monotonic())]
                 if donors:
                     self.log.warning("final params differ from the swarm's; adopting them", round=self.round)
-                if donors and self.load_state(donors, round=self.round):
+                if donors and self.load_state(donors, why="adopt", round=self.round):
                     self.save(Outcome.FINAL)
                     self.board.update(params_hash=self.diloco.params_hash())
                     continue
@@ -501,7 +526,13 @@ class Trainer:
     # ------------------------------------------------------------------------------ state moves
 
     def resume_from_checkpoint(self) -> None:
-        """Continue from the newest valid checkpoint of this experiment in checkpoint.dir, if any."""
+        """Continue from the newest valid checkpoint of this experiment in checkpoint.dir, if any.
+
+        What this peer had seen of the swarm comes back from every file there (a diverged final included,
+        though it is never resumed from): a peer left behind before its restart is still behind.
+        """
+        for path in checkpoint.candidates(self.checkpoint_dir, resumable_only=False):
+            self.memory.restore(checkpoint.read_swarm_memory(path))
         resumed = checkpoint.resume_latest(
             self.checkpoint_dir,
             self.model,
@@ -517,7 +548,7 @@ class Trainer:
         path, state = resumed
         self.inner_steps_total = state.counters.get("inner_steps_total", 0)
         self.samples_total = state.counters.get("samples_total", 0)
-        self.memory.restore(state.counters)  # a peer left behind before its restart is still behind
+
         self.log.info(
             "resumed from checkpoint",
             path=str(path),
@@ -527,12 +558,19 @@ class Trainer:
         )
 
     def load_state(
-        self, donors: Sequence[str], *, rebase: bool = False, round: int | None = None, min_round: int = 0
+        self,
+        donors: Sequence[str],
+        *,
+        why: str,
+        rebase: bool = False,
+        round: int | None = None,
+        min_round: int = 0,
     ) -> bool:
         """Download a donor's state, check it, and adopt it. Donors that fail are asked again only later.
 
         Args:
             donors: peer ids to try, in order.
+            why: catch_up, rebase or adopt (logged, and kept in ``self.loads``).
             rebase: keep our inner progress (our pseudo-gradient) on top of the new params; otherwise the
                 model restarts from the downloaded params.
             round: accept only a state of this round; min_round: of this round or later.
@@ -547,12 +585,18 @@ class Trainer:
             if delta is not None:
                 self.diloco.rebase(delta)
             self.backoff.succeeded(donor)
+            self.memory.behind_since = None  # progress: the catch-up timeout starts over
             self.board.update(round=self.round, params_hash=self.diloco.params_hash())
             self.averager.set_round(self.round)
             telemetry.STATE_LOADS.inc()
             telemetry.ROUND.set(self.round)
+            self.loads.append((why, self.round))
             self.log.info(
-                "loaded state", donor=donor[-8:], round=self.round, params_hash=self.diloco.params_hash()
+                "loaded state",
+                why=why,
+                donor=donor[-8:],
+                round=self.round,
+                params_hash=self.diloco.params_hash(),
             )
             return True
         return False
@@ -593,11 +637,11 @@ class Trainer:
             self.diloco,
             self.cfg,
             peer_id=self.peer_id,
+            swarm=self.memory.to_dict(),
             inner_optimizer=None if name in (Outcome.FINAL, Outcome.DIVERGED) else self.inner_opt,
             counters={
                 "inner_steps_total": self.inner_steps_total,
                 "samples_total": self.samples_total,
-                **self.memory.counters(),
             },
         )
         return path
@@ -612,6 +656,14 @@ class Trainer:
         others = {pid: r for pid, r in self.board.records().items() if pid != self.peer_id}
         self.memory.observe(others)
         return others
+
+    def _visible(self) -> dict[str, ProgressRecord]:
+        """The other peers' records that the round's decisions look at (see ``SwarmMemory.visible``)."""
+        return self.memory.visible(self._others(), self.round)
+
+    def _remember(self, records: dict[str, ProgressRecord]) -> None:
+        """Fed every reading of the heartbeat: the swarm's progress is noticed while we train, too."""
+        self.memory.observe({pid: r for pid, r in records.items() if pid != self.peer_id})
 
     @property
     def _poll_s(self) -> float:

@@ -34,9 +34,9 @@ FAST = {
     "run": {"run_id": "mem"},
     "outer": {"num_rounds": 4},
     "averaging": {
-        "matchmaking_time_s": 0.1,
-        "request_timeout_s": 0.05,
-        "matchmaking_timeout_s": 0.5,
+        "matchmaking_time_s": 0.5,  # long enough for every peer past the barrier to arrive, on a busy machine
+        "request_timeout_s": 0.25,
+        "matchmaking_timeout_s": 0.75,
         "next_chunk_timeout_s": 0.25,
         "allreduce_timeout_s": 0.6,
         "barrier_timeout_s": 30.0,
@@ -46,7 +46,7 @@ FAST = {
         "record_ttl_s": 1.0,
         "split_warning_s": 60.0,
         "linger_s": 4.0,
-        "catch_up_timeout_s": 6.0,
+        "catch_up_timeout_s": 3.0,
         "state_download_timeout_s": 5.0,
     },
 }
@@ -71,7 +71,7 @@ class Point(str, Enum):
     INNER = "inner"
     """In its inner phase of the round (right after it announced it)."""
     BARRIER = "barrier"
-    """At the barrier, after its inner phase."""
+    """At the barrier, after its inner phase, before its record says so."""
     ALLREDUCE = "allreduce"
     """In the all-reduce, after it served its averaged part to one groupmate only: that one steps, the
     others' all-reduce fails."""
@@ -98,7 +98,7 @@ class Injector:
         self._lock = threading.Lock()
         self.fired: list[tuple[str, Point, int]] = []
         self.group_failures: set[int] = set()  # rounds whose all-reduce fails for every member
-        self.member_failures: set[tuple[str, int]] = set()  # (peer, round): only that member's fails
+        self.member_failures: dict[tuple[str, int], float] = {}  # (peer, round): attempts left to fail
         self.refuse_donations: set[str] = set()  # peers that never serve their state
 
     def fail_at(self, peer: str | None, point: Point, round: int | None = None) -> None:
@@ -107,12 +107,19 @@ class Injector:
     def stall_at(self, peer: str | None, point: Point, round: int | None, seconds: float) -> None:
         self._faults.append(Fault(peer, point, round, delay_s=seconds))
 
-    def fail_allreduce(self, round: int, peer: str | None = None) -> None:
-        """The all-reduce of ``round`` fails (every attempt) for ``peer``, or for everyone."""
+    def fail_allreduce(self, round: int, peer: str | None = None, attempts: float = float("inf")) -> None:
+        """The all-reduce of ``round`` fails for ``peer`` (its next ``attempts`` ones), or for everyone (all)."""
         if peer is None:
             self.group_failures.add(round)
         else:
-            self.member_failures.add((peer, round))
+            self.member_failures[(peer, round)] = attempts
+
+    def member_fails(self, peer: str, round: int) -> bool:
+        with self._lock:
+            left = self.member_failures.get((peer, round), 0)
+            if left > 0:
+                self.member_failures[(peer, round)] = left - 1
+            return left > 0
 
     def take(self, peer: str, point: Point, round: int) -> Fault | None:
         with self._lock:
@@ -174,28 +181,37 @@ class MemoryBoard:
         self._peer = peer
         self.peer_id = peer.peer_id
         self._heartbeat: threading.Thread | None = None
+        self._subscribers: list[Callable[[dict[str, ProgressRecord]], None]] = []
 
     def visible_maddrs(self) -> list[str]:
         return [f"/memory/{self.peer_id}"]
+
+    def subscribe(self, observer) -> None:
+        self._subscribers.append(observer)
 
     def start(self) -> None:
         self._heartbeat = threading.Thread(target=self._beat, name=f"beat-{self.peer_id}", daemon=True)
         self._heartbeat.start()
 
     def _beat(self) -> None:
+        # As swarm.Swarm's heartbeat: publish our record, and read everyone's (subscribers see it).
         while not self._peer.gone.wait(self._peer.cfg.swarm.heartbeat_s):
             self._peer.swarm.publish(self._peer)
+            records = self._peer.swarm.read()
+            for observe in self._subscribers:
+                observe(records)
 
     def update(self, **changes: Any) -> None:
         peer = self._peer
         peer.check_alive()
+        if changes.get("state") == PeerState.AVERAGING:
+            peer.hit(Point.BARRIER, peer.status["round"])  # before it says so: its record still says training
         peer.status.update(changes)
         peer.swarm.publish(peer)
         state, round_ = peer.status["state"], peer.status["round"]
-        if changes.get("state") == PeerState.TRAINING and changes.get("samples_round") == 0:
+        starts_inner = changes.get("state") == PeerState.TRAINING and changes.get("samples_round") == 0
+        if starts_inner and "round" not in changes:  # the inner phase's announcement, not the outer step's
             peer.hit(Point.INNER, round_)
-        elif changes.get("state") == PeerState.AVERAGING:
-            peer.hit(Point.BARRIER, round_)
         elif state == PeerState.DONE:
             peer.records_after_done = 0
 
@@ -292,7 +308,7 @@ class MemorySwarm:
                     round, time.monotonic() + cfg.matchmaking_time_s, cfg.target_group_size
                 )
             group.members.append((peer, tensors, weight))
-            if len(group.members) >= group.target:
+            if len(group.members) >= group.target or self._everyone_ready_is_in(group):
                 self._close(group, cfg.min_group_size)
         while not group.closed.wait(0.01):
             if peer.stop.is_set():
@@ -308,6 +324,20 @@ class MemorySwarm:
         if isinstance(result, AveragingFailed):
             raise result
         return result
+
+    def _everyone_ready_is_in(self, group: _Group) -> bool:
+        """Under the lock: every live peer whose record says it is past the barrier of this round has joined.
+
+        hivemind waits out ``matchmaking_time_s`` unless ``target_group_size`` is reached; forming the group
+        from the records instead keeps rounds short here (the timer still closes a group whose member died).
+        """
+        now = time.monotonic()
+        ready = {
+            pid
+            for pid, (r, expires) in self._store.items()
+            if expires > now and r.round == group.round and r.state == PeerState.AVERAGING
+        }
+        return ready <= {m[0].peer_id for m in group.members}
 
     def _close(self, group: _Group, min_group_size: int) -> None:
         """Under the lock: decide every member's outcome of this group's all-reduce."""
@@ -339,7 +369,7 @@ class MemorySwarm:
                         "allreduce", "injected: the group's all-reduce failed"
                     )
             for peer, _, _ in members:
-                if (peer.name, group.round) in self.injector.member_failures:
+                if self.injector.member_fails(peer.name, group.round):
                     group.results[peer.peer_id] = AveragingFailed("allreduce", "injected: this member failed")
         group.closed.set()
 

@@ -5,7 +5,7 @@ import time
 import pytest
 
 from p2ptrain import protocol
-from p2ptrain.protocol import BarrierState, DonorBackoff, LingerState, Me, Stranded, SwarmMemory
+from p2ptrain.protocol import BarrierState, BehindState, DonorBackoff, LingerState, Me, Stranded, SwarmMemory
 from p2ptrain.records import PeerState, ProgressRecord
 
 
@@ -78,35 +78,73 @@ def test_donor_backoff_doubles_up_to_a_cap_and_forgets_on_success():
 # --- a peer left behind
 
 
-def test_a_peer_that_saw_the_swarm_ahead_waits_then_gives_up_if_nobody_comes_back():
+def behind(me_, others, memory, now, timeout_s=10, resting=()):
+    memory.observe(others)
+    return protocol.behind(me_, others, memory, now=now, resting=resting, timeout_s=timeout_s)
+
+
+def test_behind_loads_from_live_holders_and_is_not_behind_once_level():
     memory = SwarmMemory(num_rounds=10)
-    memory.observe(table(rec("a", 5)))
-    assert protocol.stranded(me(round=3), table(rec("a", 5)), memory, now=0.0, timeout_s=10) is None
-    # a crashed: its record is gone. Do not train round 3 alone; wait for it to come back.
-    assert protocol.stranded(me(round=3), {}, memory, now=1.0, timeout_s=10) is None
-    assert protocol.stranded(me(round=3), {}, memory, now=10.9, timeout_s=10) is None
-    assert protocol.stranded(me(round=3), {}, memory, now=11.0, timeout_s=10) == Stranded.NOBODY_AHEAD
+    decision = behind(me(round=3), table(rec("a", 5)), memory, now=0.0)
+    assert decision.state == BehindState.LOAD and decision.plan.donors == ["a"]
+    assert behind(me(round=5), table(rec("a", 5)), memory, now=1.0).state == BehindState.NO
+    assert memory.behind_since is None
 
 
-def test_a_holder_coming_back_resets_the_wait():
+def test_a_peer_one_round_behind_whose_holders_vanished_waits_then_goes_on():
     memory = SwarmMemory(num_rounds=10)
-    memory.observe(table(rec("a", 5)))
-    assert protocol.stranded(me(round=3), {}, memory, now=0.0, timeout_s=10) is None
-    assert protocol.stranded(me(round=3), table(rec("a", 5)), memory, now=9.0, timeout_s=10) is None
-    assert protocol.stranded(me(round=3), {}, memory, now=15.0, timeout_s=10) is None
+    behind(me(round=4), table(rec("a", 5)), memory, now=0.0)  # seen ahead; then it crashed
+    assert behind(me(round=4), {}, memory, now=1.0).state == BehindState.WAIT
+    assert behind(me(round=4), {}, memory, now=9.9).state == BehindState.WAIT
+    assert behind(me(round=4), {}, memory, now=10.0).state == BehindState.GO_ON
 
 
-def test_a_finished_swarm_that_left_strands_a_peer_at_once():
+def test_a_peer_that_cannot_get_the_state_from_live_holders_gives_up_on_them_after_the_timeout():
+    memory = SwarmMemory(num_rounds=10)
+    others = table(rec("a", 5))
+    assert behind(me(round=4), others, memory, now=0.0).state == BehindState.LOAD
+    assert behind(me(round=4), others, memory, now=5.0, resting={"a"}).state == BehindState.WAIT
+    decision = behind(me(round=4), others, memory, now=10.0)
+    assert decision.state == BehindState.GO_ON and decision.ahead == ["a"]
+    memory.give_up_on(decision.ahead, my_round=4)
+    visible = memory.visible(others, my_round=4)
+    assert visible == {} and behind(me(round=4), visible, memory, now=11.0).state == BehindState.NO
+    # once it is no longer ahead of us, it counts again
+    assert list(memory.visible(table(rec("a", 5)), my_round=5)) == ["a"]
+
+
+def test_a_peer_further_behind_never_trains_alone_from_its_old_round():
+    memory = SwarmMemory(num_rounds=10)
+    behind(me(round=0), table(rec("a", 5)), memory, now=0.0)  # a newcomer; its only donor dies
+    assert behind(me(round=0), {}, memory, now=5.0).state == BehindState.WAIT
+    decision = behind(me(round=0), {}, memory, now=10.0)
+    assert decision.state == BehindState.STRANDED and decision.why == Stranded.TOO_FAR_BEHIND
+
+
+def test_a_finished_swarm_strands_a_peer_at_once_when_nobody_serves_the_final_state():
     memory = SwarmMemory(num_rounds=6)
-    memory.observe(table(rec("a", 6, state="left", h="ff")))  # it finished and said goodbye
+    decision = behind(me(round=5), table(rec("a", 6, state="left", h="ff")), memory, now=0.0)
     assert memory.swarm_finished
-    assert protocol.stranded(me(round=0), {}, memory, now=0.0, timeout_s=100) == Stranded.SWARM_FINISHED
+    assert decision.state == BehindState.STRANDED and decision.why == Stranded.SWARM_FINISHED
+    # while a finished peer is alive, load its final state
+    assert behind(me(round=5), table(rec("b", 6, state="done")), memory, now=1.0).state == BehindState.LOAD
+
+
+def test_memory_survives_a_restart_and_ignores_malformed_parts():
+    memory = SwarmMemory(num_rounds=6)
+    memory.observe(table(rec("a", 6, state="done", h="ff", group=3)))
+    restored = SwarmMemory(num_rounds=6)
+    restored.restore(memory.to_dict())
+    assert restored.swarm_finished and restored.highest_round == 6
+    assert restored.final_votes() == memory.final_votes()
+    restored.restore({"highest_round": "x", "final_votes": {"b": "junk"}, "swarm_finished": 1})
+    assert restored.highest_round == 6 and len(restored.final_votes()) == 1
 
 
 def test_a_peer_that_never_saw_anyone_ahead_is_not_behind():
     memory = SwarmMemory(num_rounds=6)
-    memory.observe(table(rec("a", 2), rec("b", 9, state="loading")))
-    assert protocol.stranded(me(round=2), {}, memory, now=0.0, timeout_s=1) is None
+    others = table(rec("a", 2), rec("b", 9, state="loading"))
+    assert behind(me(round=2), others, memory, now=0.0).state == BehindState.NO
     assert memory.behind_since is None
 
 
@@ -135,6 +173,7 @@ def test_roster_is_the_sorted_ids_of_the_peers_training_our_round():
         # one round behind, in its inner phase or sync: it will step into ours or load it, then train it
         (table(rec("a", 3, "averaging"), rec("b", 2, "averaging")), BarrierState.WAIT, ["b"]),
         (table(rec("a", 3, "averaging"), rec("b", 2, "training")), BarrierState.WAIT, ["b"]),
+        (table(rec("a", 3, "averaging"), rec("b", 2, "loading")), BarrierState.WAIT, ["b"]),
         (table(rec("a", 3, "averaging"), rec("b", 1, "training"), rec("c", 2, "done")), BarrierState.GO, []),
         ({}, BarrierState.GO, []),
     ],
@@ -142,6 +181,18 @@ def test_roster_is_the_sorted_ids_of_the_peers_training_our_round():
 def test_barrier(others, expected, waiting):
     decision = protocol.barrier(me(), others, now=0.0, deadline=10.0)
     assert decision.state == expected and decision.waiting_for == waiting
+
+
+def test_a_finished_swarm_makes_a_round_before_the_last_stale_even_when_its_peers_are_gone():
+    assert (
+        protocol.barrier(me(), {}, now=0, deadline=9, swarm_finished=True, num_rounds=4).state
+        == BarrierState.STALE
+    )
+    assert (
+        protocol.barrier(me(), {}, now=0, deadline=9, swarm_finished=False, num_rounds=4).state
+        == BarrierState.GO
+    )
+    assert not protocol.may_step_alone(me(), {}, swarm_finished=True)
 
 
 def test_barrier_deadline_goes_with_whoever_is_ready():

@@ -47,6 +47,9 @@ def assert_swarm_contract(tmp_path, peers: dict[str, PeerThread], survivors: lis
         assert loaded.round == p.cfg.outer.num_rounds
         hashes.add(loaded.params_sha256())
     assert len(hashes) == 1, "survivors disagree on the final params"
+    # And no peer, survivor or not, left a final.safetensors with other params.
+    for other in tmp_path.glob("*/final.safetensors"):
+        assert checkpoint.load(other).params_sha256() in hashes, f"{other} is not the swarm's final model"
     evaluator = Evaluator()
     loaded, final = evaluator.file(tmp_path / survivors[0] / "final.safetensors")
     initial = evaluator.initial(loaded.config)
@@ -78,13 +81,15 @@ def test_a_late_joiner_loads_the_swarms_state_and_trains_with_it(tmp_path):
 
 def test_a_peer_that_falls_behind_drops_its_stale_work_and_catches_up(tmp_path):
     injector = Injector()
-    injector.stall_at("c", Point.BARRIER, round=1, seconds=1.5)  # its record still says training
+    injector.stall_at("c", Point.BARRIER, round=1, seconds=2.0)  # its record still says training
     swarm = MemorySwarm(injector)
-    # The others give up waiting for it and move on; it finds the swarm past its round.
-    peers = start(swarm, tmp_path, ["a", "b", "c"], averaging={"barrier_timeout_s": 0.5})
+    # The others wait for it until the barrier's deadline, then move on; it finds the swarm past its round.
+    fast = {"averaging": {"barrier_timeout_s": 0.5}, "swarm": {"catch_up_timeout_s": 0.4}}
+    peers = start(swarm, tmp_path, ["a", "b", "c"], **fast)
     finish(peers)
     assert_swarm_contract(tmp_path, peers, ["a", "b", "c"])
     assert 1 not in peers["c"].trainer.rounds_applied
+    assert [why for why, _ in peers["c"].trainer.loads] == ["catch_up"]
     assert peers["a"].trainer.rounds_applied == [0, 1, 2, 3]
 
 
@@ -94,9 +99,14 @@ def test_a_failed_group_falls_back_alone_then_everyone_rebases_onto_one_params(t
     peers = start(MemorySwarm(injector), tmp_path, ["a", "b", "c"])
     finish(peers)
     assert_swarm_contract(tmp_path, peers, ["a", "b", "c"])
-    # Some stepped alone in round 1 (different params), and rebased at the next barrier; one that found
-    # another already past round 1 did not step alone but loaded its state.
-    assert sum(1 in p.trainer.rounds_applied for p in peers.values()) >= 1
+    # Those that stepped alone in round 1 hold different params, and all but one rebase at the next barrier;
+    # one that found another already past round 1 did not step alone: it loaded that state instead.
+    alone = [p for p in peers.values() if 1 in p.trainer.rounds_applied]
+    rebased = [p for p in alone if ("rebase", 2) in p.trainer.loads]
+    assert len(rebased) == len(alone) - 1, [(p.name, p.trainer.loads) for p in alone]
+    for p in peers.values():
+        if p not in alone:
+            assert ("catch_up", 2) in p.trainer.loads, (p.name, p.trainer.loads)
 
 
 def test_a_groupmate_that_dies_mid_allreduce_costs_one_contribution(tmp_path):
@@ -106,9 +116,11 @@ def test_a_groupmate_that_dies_mid_allreduce_costs_one_contribution(tmp_path):
     finish(peers)
     assert peers["c"].crashed
     assert_swarm_contract(tmp_path, peers, ["a", "b"])
-    # The one that missed the average did not step alone (the other was past the round): it loaded.
-    applied = sorted([peers["a"].trainer.rounds_applied, peers["b"].trainer.rounds_applied])
-    assert applied == [[0, 1, 2, 3], [0, 2, 3]], applied
+    # One survivor got the average; the other did not. If it saw the first past round 1, it loaded that
+    # state; if not yet, it stepped alone and rebased at the next barrier. Either way, no fork.
+    lucky, other = sorted((peers["a"].trainer, peers["b"].trainer), key=lambda t: 1 not in t.rounds_applied)
+    assert 1 in lucky.rounds_applied
+    assert ("catch_up", 2) in other.loads if 1 not in other.rounds_applied else ("rebase", 2) in other.loads
 
 
 @pytest.mark.parametrize("point", [Point.INNER, Point.BARRIER])
@@ -157,7 +169,7 @@ def test_a_newcomer_whose_donor_dies_mid_transfer_refuses_the_truncated_state_an
     injector.fail_at(None, Point.DONATE)  # whichever donor the newcomer asks first
     peers["c"] = PeerThread(swarm, "c", fast_config(tmp_path, "c", **rounds))
     finish(peers)
-    [(first, _, _)] = injector.fired
+    [first] = [peer for peer, point, _ in injector.fired if point == Point.DONATE]
     assert peers[first].crashed
     assert_swarm_contract(tmp_path, peers, [n for n in ("a", "b", "c") if n != first])
     assert peers["c"].trainer.rounds_applied[0] >= 2
@@ -189,7 +201,7 @@ def test_the_fork_case_a_newcomer_left_with_no_donor_never_writes_a_final_model(
     swarm = MemorySwarm(injector)
     rounds = {"outer": {"num_rounds": 6}}
     # a finishes and stays a while (stalled); b finishes, sees a done with the same params, and leaves.
-    injector.stall_at("a", Point.FINISHED, round=None, seconds=3.0)
+    injector.stall_at("a", Point.FINISHED, round=None, seconds=5.0)
     peers = start(swarm, tmp_path, ["a", "b"], **rounds)
     peers["b"].join()
     # The newcomer finds only a, which dies serving it.
@@ -215,12 +227,14 @@ def test_the_fork_case_when_the_finished_peer_is_still_there(tmp_path):
     injector = Injector()
     swarm = MemorySwarm(injector)
     rounds = {"outer": {"num_rounds": 6}, "averaging": {"target_group_size": 3}}
+    injector.stall_at("a", Point.FINISHED, None, seconds=2.0)  # both finish, and stay a while
+    injector.stall_at("b", Point.FINISHED, None, seconds=2.0)
     peers = start(swarm, tmp_path, ["a", "b"], **rounds)
     peers["a"].wait_until(lambda t: t.round >= 5)
     injector.fail_at(None, Point.DONATE)  # the newcomer's first donor dies mid-transfer
     peers["c"] = PeerThread(swarm, "c", fast_config(tmp_path, "c", **rounds))
     finish(peers)
-    [(first, _, _)] = injector.fired
+    [first] = [peer for peer, point, _ in injector.fired if point == Point.DONATE]
     assert_swarm_contract(tmp_path, peers, [n for n in ("a", "b", "c") if n != first])
 
 
@@ -229,7 +243,7 @@ def test_a_peer_that_cannot_get_the_swarms_final_params_says_so_and_writes_no_fi
     all-reduce) and neither can serve the other: the one whose params are not canonical says so."""
     injector = Injector()
     injector.refuse_donations.update({"a", "b"})
-    cfgs = {n: fast_config(tmp_path, n, swarm={"min_peers": 2, "linger_s": 2.5}) for n in ("a", "b")}
+    cfgs = {n: fast_config(tmp_path, n, swarm={"min_peers": 2, "linger_s": 3.0}) for n in ("a", "b")}
     for scale, (name, cfg) in zip((1.0, 1.01), cfgs.items()):  # final states of round 4, slightly apart
         model = build_model(cfg.model.name, cfg.model.context_length, seed=cfg.run.seed)
         diloco = DiLoCo(model, lr=0.7, momentum=0.5, nesterov=True)
@@ -244,6 +258,53 @@ def test_a_peer_that_cannot_get_the_swarms_final_params_says_so_and_writes_no_fi
     assert not loser.result.ok and loser.result.path.name == "diverged.safetensors"
     assert "no peer served them" in loser.result.reason
     assert not (tmp_path / loser.name / "final.safetensors").exists()
+    # Restarted with the swarm gone, it still knows its params are not the swarm's (the diverged file is never
+    # resumed from, and what it had seen comes back from it).
+    again = PeerThread(MemorySwarm(injector), loser.name, fast_config(tmp_path, loser.name))
+    result = again.join()
+    assert result.outcome == Outcome.DIVERGED and not (tmp_path / loser.name / "final.safetensors").exists()
+
+
+def test_a_slow_peer_that_finds_the_swarm_finished_does_not_write_a_final_model(tmp_path):
+    """Its last inner phase outlasts the others' linger: when it gets to its barrier, they are gone. It saw
+    them finish while it trained (the heartbeat's readings), so it does not step alone into a final model."""
+    injector = Injector()
+    injector.stall_at("s", Point.INNER, round=3, seconds=6.0)
+    fast = {"averaging": {"barrier_timeout_s": 1.0}, "swarm": {"linger_s": 3.0, "catch_up_timeout_s": 0.8}}
+    peers = start(MemorySwarm(injector), tmp_path, ["a", "b", "s"], **fast)
+    finish(peers)
+    assert_swarm_contract(tmp_path, peers, ["a", "b"])
+    result = peers["s"].result
+    assert result.outcome == Outcome.STRANDED and "finished the run" in result.reason, result
+    assert 3 not in peers["s"].trainer.rounds_applied
+
+
+def test_when_the_only_peer_ahead_crashes_the_others_go_on_after_waiting(tmp_path):
+    """One crash must not end the swarm: the only holder of round 2 dies before anyone loads it; the others
+    wait swarm.catch_up_timeout_s for it to come back, then go on from round 1 (its progress is lost)."""
+    injector = Injector()
+    injector.fail_allreduce(round=1, peer="a", attempts=2)  # both attempts of their first try at round 1
+    injector.fail_allreduce(round=1, peer="b", attempts=2)  # c alone gets round 1's average, and steps
+    injector.fail_at("c", Point.INNER, round=2)
+    peers = start(MemorySwarm(injector), tmp_path, ["a", "b", "c"])
+    finish(peers)
+    assert peers["c"].crashed
+    assert_swarm_contract(tmp_path, peers, ["a", "b"])
+    for name in ("a", "b"):
+        assert peers[name].trainer.rounds_applied == [0, 1, 2, 3], name
+
+
+def test_a_peer_ahead_that_cannot_serve_its_state_is_given_up_on_then_rebases(tmp_path):
+    """c steps into round 2 alone and serves nobody (as a peer behind a NAT, in client mode): the others
+    wait for its state, give up on it, go on from round 1, and meet it again in round 2, where it rebases."""
+    injector = Injector()
+    injector.fail_allreduce(round=1, peer="a", attempts=2)
+    injector.fail_allreduce(round=1, peer="b", attempts=2)
+    injector.refuse_donations.add("c")
+    peers = start(MemorySwarm(injector), tmp_path, ["a", "b", "c"])
+    finish(peers)
+    assert_swarm_contract(tmp_path, peers, ["a", "b", "c"])
+    assert ("rebase", 2) in peers["c"].trainer.loads, peers["c"].trainer.loads
 
 
 def test_a_stopped_peer_keeps_its_work_and_resumes_refusing_a_corrupted_newer_file(tmp_path):
