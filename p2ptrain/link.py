@@ -71,17 +71,8 @@ class Link:
         self.board.shutdown()
 
 
-class Connect(Protocol):
-    def __call__(
-        self,
-        cfg: ExperimentConfig,
-        *,
-        device: str,
-        shapes: list[torch.Size],
-        codec: CompressionBase,
-        state_provider: StateProvider,
-        stop: threading.Event,
-    ) -> Link: ...
+Connect = Callable[..., Link]
+"""Builds a peer's :class:`Link`, called as :func:`connect_hivemind` is (tests pass an in-memory swarm's)."""
 
 
 def connect_hivemind(
