@@ -62,6 +62,21 @@ def read_maddrs_file(path: Path | None, timeout_s: float) -> list[str]:
         time.sleep(0.5)
 
 
+def check_writable(path: Path) -> None:
+    """Raise ``OSError`` now if ``path`` cannot be written later (its folder is missing and cannot be made,
+    or is not writable, or the path is a folder)."""
+    path = Path(path)
+    if path.is_dir():
+        raise IsADirectoryError(21, "is a directory")
+    for folder in (path.parent, *path.parent.parents):
+        if folder.exists() and not folder.is_dir():
+            raise NotADirectoryError(20, f"{folder} is not a directory")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    probe = path.with_name(path.name + ".probe")
+    probe.write_text("")
+    probe.unlink()
+
+
 def write_maddrs_file(path: Path, maddrs: Sequence[str]) -> None:
     """Atomically, so that a reader never sees half a file."""
     path = Path(path)

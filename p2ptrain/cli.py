@@ -17,7 +17,7 @@ from typing import Annotated, Any
 
 import typer
 
-from p2ptrain.addrs import SwarmError, is_loopback, write_maddrs_file
+from p2ptrain.addrs import SwarmError, check_writable, is_loopback, write_maddrs_file
 from p2ptrain.config import ConfigError, deep_merge, load_config, parse_set, reference_markdown
 
 app = typer.Typer(
@@ -141,7 +141,18 @@ def join(
 
     stop = threading.Event()
     install_stop_handlers(stop)
-    logs.get_logger("p2ptrain.cli").info("config", **cfg.model_dump(mode="json"))
+    clog = logs.get_logger("p2ptrain.cli")
+    clog.debug("config", **cfg.model_dump(mode="json"))  # the whole resolved config: `--log-level debug`
+    clog.info(
+        "config",
+        file=str(config) if config else "built-in default experiment",
+        run_id=cfg.run.run_id,
+        model=cfg.model.name,
+        rounds=cfg.outer.num_rounds,
+        inner_steps=cfg.inner.num_inner_steps,
+        compression=cfg.averaging.compression,
+        config_hash=cfg.training_hash(),
+    )
 
     def announce(maddrs: list[str]) -> None:
         if not (cfg.swarm.initial_peers or cfg.swarm.initial_peers_file):
@@ -202,6 +213,15 @@ def dht(
     from p2ptrain import logs, telemetry
     from p2ptrain.swarm import create_dht, live_records, progress_validators
 
+    if (
+        maddrs_file is not None
+    ):  # before the DHT starts: a file it cannot write is a one-line error, not a restart loop
+        try:
+            check_writable(maddrs_file)
+        except OSError as e:
+            raise fail(
+                f"--maddrs-file {maddrs_file}: cannot write it ({e.strerror or e})", EXIT_RUNTIME
+            ) from None
     logs.configure(cfg.log.level, cfg.log.format, run_id=cfg.run.run_id)
     stop = threading.Event()
     install_stop_handlers(stop)
@@ -217,9 +237,15 @@ def dht(
             typer.echo(f"  p2ptrain join --initial-peers {maddr}")
         sys.stdout.flush()
         if maddrs_file is not None:
-            write_maddrs_file(maddrs_file, maddrs)
+            try:
+                write_maddrs_file(maddrs_file, maddrs)
+            except OSError as e:
+                raise fail(
+                    f"--maddrs-file {maddrs_file}: cannot write it ({e.strerror or e})", EXIT_RUNTIME
+                ) from None
         if cfg.metrics.port:
-            telemetry.serve(cfg.metrics.port, cfg.metrics.host)
+            # Swarm-wide series only: a node that does not train exports no loss, throughput or round of its own.
+            telemetry.serve(cfg.metrics.port, cfg.metrics.host, registry=telemetry.NODE)
             telemetry.set_peer_info(peer_id=node.peer_id.to_base58(), run_id=cfg.run.run_id, device="none")
             monitor = telemetry.SwarmMonitor(
                 lambda: live_records(node, cfg.run.run_id), cfg.metrics.swarm_period_s

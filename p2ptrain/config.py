@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextvars
 import hashlib
 import json
+import os
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -82,6 +83,8 @@ class DataConfig(_Section):
         if self.source == "text":
             if self.path is None:
                 raise ValueError("data.path is required when data.source is 'text'")
+            if self.path.is_dir():
+                raise ValueError(f"data.path: {self.path} is a directory; give one UTF-8 text file")
             if not self.path.is_file():
                 raise ValueError(f"data.path: no such file: {self.path}")
         elif self.path is not None:
@@ -287,8 +290,9 @@ class LogConfig(_Section):
 class MetricsConfig(_Section):
     port: int | None = Field(default=None, ge=1, le=65535)
     """Serve Prometheus metrics at http://HOST:PORT/metrics (flag: --metrics-port). None: no metrics server."""
-    host: str = "0.0.0.0"
-    """Address the metrics server listens on (127.0.0.1: this machine only)."""
+    host: str = "127.0.0.1"
+    """Address the metrics server listens on: this machine only by default; 0.0.0.0 for every interface (a
+    Prometheus on another machine or in another container)."""
     swarm_period_s: float = Field(default=10.0, gt=0.0)
     """How often `p2ptrain dht --metrics-port` reads the peers' records for the swarm-wide gauges."""
 
@@ -328,6 +332,21 @@ class ExperimentConfig(BaseSettings):
     """Prometheus metrics (docs/deploy.md#monitoring)."""
 
     @model_validator(mode="after")
+    def _check_corpus_size(self) -> ExperimentConfig:
+        if self.data.source == "text" and self.data.path is not None and self.data.path.is_file():
+            size, needed = (
+                self.data.path.stat().st_size,
+                min_corpus_bytes(self.model.context_length, self.data.val_fraction),
+            )
+            if size < needed:
+                raise ValueError(
+                    f"data.path: {self.data.path} has {size} bytes, too few for model.context_length "
+                    f"{self.model.context_length} and data.val_fraction {self.data.val_fraction} "
+                    f"(at least {needed} bytes)"
+                )
+        return self
+
+    @model_validator(mode="after")
     def _check_linger(self) -> ExperimentConfig:
         if self.swarm.catch_up_timeout_s >= self.averaging.barrier_timeout_s:
             # A peer ahead that cannot serve its state waits at its barrier for those behind, who give up on
@@ -364,6 +383,14 @@ class ExperimentConfig(BaseSettings):
         """Hash of the sections that must agree across peers (and across a checkpoint and its resume)."""
         shared = self.model_dump(mode="json", include={"run", "model", "data", "inner", "outer"})
         return hashlib.sha256(json.dumps(shared, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def min_corpus_bytes(context_length: int, val_fraction: float) -> int:
+    """The smallest corpus that leaves two training windows after the validation split (``data.Corpus``)."""
+    size = 3 * (context_length + 1)
+    while size - max(int(size * val_fraction), context_length + 1) < 2 * (context_length + 1):
+        size += 1
+    return size
 
 
 # The YAML of the config being loaded. A context variable, not a class attribute, so that loading
@@ -447,12 +474,47 @@ def load_config(path: Path | None = None, overrides: dict[str, Any] | None = Non
     try:
         return ExperimentConfig(**(overrides or {}))
     except ValidationError as e:
-        raise ConfigError(format_validation_error(e, source=str(path) if path else None)) from None
+        sources = _Sources(path, data, overrides or {})
+        raise ConfigError(format_validation_error(e, source=sources.of)) from None
     finally:
         _YAML_DATA.reset(token)
 
 
-def format_validation_error(error: ValidationError, source: str | None = None) -> str:
+class _Sources:
+    """Which source set a field: the command line, an environment variable, or the YAML file."""
+
+    def __init__(self, path: Path | None, yaml_data: dict[str, Any], overrides: dict[str, Any]):
+        self.path, self.yaml_data, self.overrides = path, yaml_data, overrides
+
+    def of(self, loc: tuple) -> str | None:
+        keys = [str(part) for part in loc]
+        if not keys:
+            return str(self.path) if self.path else None
+        if _has(self.overrides, keys):
+            return "command line"
+        env = ENV_PREFIX + "__".join(k.upper() for k in keys[:2])
+        if env in os.environ:
+            return f"environment variable {env}"
+        if self.path is not None and _has(self.yaml_data, keys[:1]):
+            return str(self.path)
+        return None
+
+
+def _has(data: dict[str, Any], keys: list[str]) -> bool:
+    node: Any = data
+    for key in keys:
+        if not isinstance(node, dict) or key not in node:
+            return False
+        node = node[key]
+    return True
+
+
+def format_validation_error(error: ValidationError, source: Any = None) -> str:
+    """One line per problem, each naming the field and, when known, where its value came from.
+
+    Args:
+        source: a string (every problem's source), or a function of the field's location that returns one.
+    """
     lines = []
     for item in error.errors():
         where = ".".join(str(part) for part in item["loc"])
@@ -463,7 +525,10 @@ def format_validation_error(error: ValidationError, source: str | None = None) -
             message = "unknown key"
         elif "input" in item and item["type"] not in ("missing",) and not isinstance(item["input"], dict):
             message = f"{message} (got {item['input']!r})"
-        prefix = f"{source}: " if source else ""
+        origin = source(tuple(item["loc"])) if callable(source) else source
+        prefix = f"{origin}: " if origin else ""
+        if message.startswith(f"{where}."):  # a section's own check already names its field
+            where = ""
         lines.append(f"{prefix}{where}: {message}" if where else f"{prefix}{message}")
     return "\n".join(lines)
 

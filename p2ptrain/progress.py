@@ -61,3 +61,45 @@ class InnerProgress:
 def terminal_progress_enabled(log_format: str) -> bool:
     """A bar only for a person watching: stderr is a terminal and logs are the readable kind."""
     return sys.stderr.isatty() and log_format in ("auto", "console")
+
+
+class Waiting:
+    """What a peer waits for (peers at the barrier, a group, the swarm's state), shown while it lasts.
+
+    On a terminal (with readable logs), a spinner line that says what and for how long; elsewhere, a log line
+    once the wait has lasted ``first_s``, then every ``every_s``: a service's log shows a peer that waits,
+    without a line per poll.
+    """
+
+    def __init__(self, enabled: bool, log: Any, *, first_s: float = 10.0, every_s: float = 60.0):
+        self.enabled, self.log, self.first_s, self.every_s = enabled, log, first_s, every_s
+        self._status: Any = None
+        self._started = time.monotonic()
+        self._next_log = self._started + first_s
+
+    def __enter__(self) -> Waiting:
+        self._started = time.monotonic()
+        self._next_log = self._started + self.first_s
+        return self
+
+    def update(self, what: str, **fields: Any) -> None:
+        now = time.monotonic()
+        waited = now - self._started
+        if self.enabled:
+            if self._status is None:
+                from rich.console import Console
+
+                self._status = Console(file=sys.stderr).status(what)
+                self._status.start()
+            details = ", ".join(f"{k} {v}" for k, v in fields.items())
+            self._status.update(
+                f"{what} ({details}, {waited:.0f} s)" if details else f"{what} ({waited:.0f} s)"
+            )
+        elif now >= self._next_log:
+            self._next_log = now + self.every_s
+            self.log.info(what, waited_s=round(waited), **fields)
+
+    def __exit__(self, *exc: object) -> None:
+        if self._status is not None:
+            self._status.stop()
+            self._status = None

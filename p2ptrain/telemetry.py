@@ -4,10 +4,11 @@ Naming follows Prometheus conventions: the ``p2ptrain_`` prefix, base units (sec
 ``_total`` on counters (prometheus-client appends it), no label per remote peer (a swarm of a
 thousand peers must not make a thousand series on each of them).
 
-A peer (``p2ptrain join --metrics-port N``) exports its own training; the bootstrap node
-(``p2ptrain dht --metrics-port N``) exports swarm-wide gauges read from the peers' signed DHT records,
-so a swarm whose peers sit behind NATs can still be watched from one place. Each process serves one
-registry, :data:`REGISTRY`.
+A peer (``p2ptrain join --metrics-port N``) exports its own training (:data:`PEER`) and the swarm as
+it sees it; the bootstrap node (``p2ptrain dht --metrics-port N``) exports only swarm-wide gauges read
+from the peers' signed DHT records (:data:`NODE`), so a swarm whose peers sit behind NATs can still be
+watched from one place, and no dashboard query mixes a node that does not train into a peer's series
+(it would show a validation loss of 0). :data:`REGISTRY` is a peer's whole set.
 """
 
 from __future__ import annotations
@@ -36,10 +37,29 @@ from p2ptrain.records import PeerState, ProgressRecord, global_round
 if TYPE_CHECKING:
     from p2ptrain.diloco import OuterStepReport
 
-REGISTRY = CollectorRegistry()
-process_collector.ProcessCollector(registry=REGISTRY)
-platform_collector.PlatformCollector(registry=REGISTRY)
-gc_collector.GCCollector(registry=REGISTRY)
+NODE = CollectorRegistry(auto_describe=True)
+"""What every process exports: process, platform and GC series, who it is, the swarm as it sees it."""
+PEER = CollectorRegistry(auto_describe=True)
+"""A training peer's own series."""
+process_collector.ProcessCollector(registry=NODE)
+platform_collector.PlatformCollector(registry=NODE)
+gc_collector.GCCollector(registry=NODE)
+
+
+class _Union:
+    """A collector of several registries' metrics (prometheus-client serves one registry)."""
+
+    def __init__(self, *registries: CollectorRegistry):
+        self.registries = registries
+
+    def collect(self):
+        for registry in self.registries:
+            yield from registry.collect()
+
+
+REGISTRY = CollectorRegistry(auto_describe=True)
+"""What a peer serves: :data:`NODE` and :data:`PEER`."""
+REGISTRY.register(_Union(NODE, PEER))  # type: ignore[arg-type]
 
 # A round is an inner phase of seconds to tens of minutes plus an all-reduce: buckets from 1 s to 1 h.
 ROUND_BUCKETS = (1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600, 1200, 1800, 3600)
@@ -52,79 +72,77 @@ FAILURE_REASONS = ("no_group", "allreduce", "non_finite", "stale")
 INNER_STEPS = Counter(
     "p2ptrain_inner_steps",
     "Inner optimizer steps taken by this peer (counted as they happen).",
-    registry=REGISTRY,
+    registry=PEER,
 )
 INNER_STEP_DURATION = Histogram(
     "p2ptrain_inner_step_duration_seconds",
     "Wall time of one inner step (forward, backward, optimizer), measured per round as its mean.",
     buckets=STEP_BUCKETS,
-    registry=REGISTRY,
+    registry=PEER,
 )
-OUTER_STEPS = Counter("p2ptrain_outer_steps", "Outer steps this peer applied.", registry=REGISTRY)
+OUTER_STEPS = Counter("p2ptrain_outer_steps", "Outer steps this peer applied.", registry=PEER)
 OUTER_STEP_DURATION = Histogram(
     "p2ptrain_outer_step_duration_seconds",
     "Wall time of a whole round: inner phase, barrier, all-reduce and outer step.",
     buckets=ROUND_BUCKETS,
-    registry=REGISTRY,
+    registry=PEER,
 )
 SYNC_DURATION = Histogram(
     "p2ptrain_outer_sync_duration_seconds",
     "Wall time of a round's outer sync: matchmaking, all-reduce and outer step (barrier excluded).",
     buckets=ROUND_BUCKETS,
-    registry=REGISTRY,
+    registry=PEER,
 )
 OUTER_STEP_FAILURES = Counter(
     "p2ptrain_outer_step_failures",
     "Rounds whose pseudo-gradient did not enter a swarm average, by reason.",
     ["reason"],
-    registry=REGISTRY,
+    registry=PEER,
 )
-TRAIN_LOSS = Gauge("p2ptrain_train_loss", "Mean training loss of the last inner phase.", registry=REGISTRY)
+TRAIN_LOSS = Gauge("p2ptrain_train_loss", "Mean training loss of the last inner phase.", registry=PEER)
 VALIDATION_LOSS = Gauge(
     "p2ptrain_validation_loss",
     "Validation loss of the global params after the last outer step.",
-    registry=REGISTRY,
+    registry=PEER,
 )
-SAMPLES = Counter(
-    "p2ptrain_samples", "Training samples (sequences) processed by this peer.", registry=REGISTRY
-)
+SAMPLES = Counter("p2ptrain_samples", "Training samples (sequences) processed by this peer.", registry=PEER)
 SAMPLES_PER_SECOND = Gauge(
-    "p2ptrain_samples_per_second", "This peer's inner-phase throughput in the last round.", registry=REGISTRY
+    "p2ptrain_samples_per_second", "This peer's inner-phase throughput in the last round.", registry=PEER
 )
 AVERAGING_SENT = Counter(
-    "p2ptrain_averaging_sent_bytes", "All-reduce payload bytes this peer sent.", registry=REGISTRY
+    "p2ptrain_averaging_sent_bytes", "All-reduce payload bytes this peer sent.", registry=PEER
 )
 AVERAGING_RECEIVED = Counter(
-    "p2ptrain_averaging_received_bytes", "All-reduce payload bytes this peer received.", registry=REGISTRY
+    "p2ptrain_averaging_received_bytes", "All-reduce payload bytes this peer received.", registry=PEER
 )
 GROUP_SIZE = Gauge(
     "p2ptrain_averaging_group_size",
     "Peers in this peer's last all-reduce group (1: it stepped alone).",
-    registry=REGISTRY,
+    registry=PEER,
 )
-ROUND = Gauge("p2ptrain_round", "The outer round this peer is in.", registry=REGISTRY)
+ROUND = Gauge("p2ptrain_round", "The outer round this peer is in.", registry=PEER)
 STATE_LOADS = Counter(
-    "p2ptrain_state_loads", "Swarm states this peer downloaded from other peers.", registry=REGISTRY
+    "p2ptrain_state_loads", "Swarm states this peer downloaded from other peers.", registry=PEER
 )
-PEER_INFO = Info("p2ptrain_peer", "This process: peer id, run, device, versions.", registry=REGISTRY)
+PEER_INFO = Info("p2ptrain_peer", "This process: peer id, run, device, versions.", registry=NODE)
 
 # ---------------------------------------------------------- the swarm, as this process sees it
 SWARM_PEERS = Gauge(
     "p2ptrain_swarm_peers",
     "Live peers of the run (records not expired), by state.",
     ["state"],
-    registry=REGISTRY,
+    registry=NODE,
 )
 SWARM_ROUND = Gauge(
-    "p2ptrain_swarm_round", "The swarm's round: the highest round of a live peer.", registry=REGISTRY
+    "p2ptrain_swarm_round", "The swarm's round: the highest round of a live peer.", registry=NODE
 )
 SWARM_SAMPLES_PER_SECOND = Gauge(
-    "p2ptrain_swarm_samples_per_second", "Sum of the live peers' reported throughput.", registry=REGISTRY
+    "p2ptrain_swarm_samples_per_second", "Sum of the live peers' reported throughput.", registry=NODE
 )
 SWARM_SAMPLES = Gauge(
     "p2ptrain_swarm_samples",
     "Sum of the live peers' samples processed since each started (peers that left are not counted).",
-    registry=REGISTRY,
+    registry=NODE,
 )
 
 PEER_STATES = tuple(s.value for s in PeerState if s != PeerState.LEFT)
@@ -135,10 +153,11 @@ for _state in PEER_STATES:
     SWARM_PEERS.labels(state=_state)
 
 
-def serve(port: int, host: str = "0.0.0.0") -> None:
-    """Serve /metrics on ``host:port`` from a daemon thread. Start it after hivemind's children have forked
-    (a forked child would inherit the listening socket)."""
-    start_http_server(port, addr=host, registry=REGISTRY)
+def serve(port: int, host: str = "127.0.0.1", registry: CollectorRegistry = REGISTRY) -> None:
+    """Serve ``registry`` at /metrics on ``host:port`` from a daemon thread (a peer: :data:`REGISTRY`; the
+    bootstrap node: :data:`NODE`). Start it after hivemind's children have forked (a forked child would
+    inherit the listening socket)."""
+    start_http_server(port, addr=host, registry=registry)
 
 
 def set_peer_info(**fields: str) -> None:

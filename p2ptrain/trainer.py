@@ -30,7 +30,7 @@ from p2ptrain.inner import inner_lr, inner_step, make_optimizer, pick_device
 from p2ptrain.link import Connect, Link, connect_hivemind
 from p2ptrain.logs import bind, get_logger
 from p2ptrain.models import build_model, num_params
-from p2ptrain.progress import InnerProgress, terminal_progress_enabled
+from p2ptrain.progress import InnerProgress, Waiting, terminal_progress_enabled
 from p2ptrain.protocol import BarrierState, BehindState, LingerState, Me
 from p2ptrain.records import PeerState, ProgressRecord
 from p2ptrain.transfer import donation, fetch_state
@@ -238,15 +238,16 @@ class Trainer:
         if cfg.min_peers > 1:
             deadline = time.monotonic() + cfg.min_peers_timeout_s
             self.log.info("waiting for peers", min_peers=cfg.min_peers)
-            while len(protocol.live(self._others())) + 1 < cfg.min_peers and not self.stop.is_set():
-                if time.monotonic() > deadline:
-                    self.log.warning(
-                        "starting without swarm.min_peers",
-                        min_peers=cfg.min_peers,
-                        present=len(protocol.live(self._others())) + 1,
-                    )
-                    break
-                time.sleep(self._poll_s)
+            with self._waiting() as waiting:
+                while (present := len(protocol.live(self._others())) + 1) < cfg.min_peers:
+                    if time.monotonic() > deadline:
+                        self.log.warning(
+                            "starting without swarm.min_peers", min_peers=cfg.min_peers, present=present
+                        )
+                        break
+                    waiting.update("waiting for peers", present=present, min_peers=cfg.min_peers)
+                    if self.stop.wait(self._poll_s):
+                        break
 
     def catch_up(self) -> protocol.Stranded | None:
         """While the swarm is past our round, load its state; never train a round it has left behind.
@@ -255,44 +256,46 @@ class Trainer:
         that could not give us theirs), or why we must stop (see :func:`protocol.behind`).
         """
         loading = False
-        while not self.stop.is_set():
-            now = time.monotonic()
-            decision = protocol.behind(
-                self.me(),
-                self._visible(),
-                self.memory,
-                now=now,
-                resting=self.backoff.resting(now),
-                timeout_s=self.cfg.swarm.catch_up_timeout_s,
-            )
-            if decision.state == BehindState.STRANDED:
-                return decision.why
-            if decision.state == BehindState.GO_ON:
-                self.log.warning(
-                    "could not get the swarm's newer state; going on from our own (one round of progress lost)",
-                    round=self.round,
-                    gave_up_on=[pid[-8:] for pid in decision.ahead],
+        with self._waiting() as waiting:
+            while not self.stop.is_set():
+                now = time.monotonic()
+                decision = protocol.behind(
+                    self.me(),
+                    self._visible(),
+                    self.memory,
+                    now=now,
+                    resting=self.backoff.resting(now),
+                    timeout_s=self.cfg.swarm.catch_up_timeout_s,
                 )
-                self.memory.give_up_on(decision.ahead, self.round)
-            if decision.state in (BehindState.NO, BehindState.GO_ON):
-                if loading:
-                    self.board.update(state=PeerState.TRAINING)
-                return None
-            if not loading:
-                loading = True
-                self.log.info(
-                    "behind the swarm, loading state", round=self.round, swarm_round=self.memory.highest_round
-                )
-                self.board.update(state=PeerState.LOADING)
-            plan = decision.plan
-            if (
-                decision.state == BehindState.LOAD
-                and plan
-                and self.load_state(plan.donors, why="catch_up", min_round=plan.round)
-            ):
-                continue  # the swarm may have moved on meanwhile: look again
-            wait = max(self._poll_s, self.backoff.next_try(time.monotonic()) - time.monotonic())
-            self.stop.wait(min(wait, self.cfg.swarm.heartbeat_s * 4))
+                if decision.state == BehindState.STRANDED:
+                    return decision.why
+                if decision.state == BehindState.GO_ON:
+                    self.log.warning(
+                        "could not get the swarm's newer state; going on from our own (a round of progress lost)",
+                        round=self.round,
+                        gave_up_on=[pid[-8:] for pid in decision.ahead],
+                    )
+                    self.memory.give_up_on(decision.ahead, self.round)
+                if decision.state in (BehindState.NO, BehindState.GO_ON):
+                    if loading:
+                        self.board.update(state=PeerState.TRAINING)
+                    return None
+                if not loading:
+                    loading = True
+                    self.log.info("behind the swarm, loading state", round=self.round)
+                    self.board.update(state=PeerState.LOADING)
+                plan = decision.plan
+                if decision.state == BehindState.LOAD and plan:
+                    if self.load_state(plan.donors, why="catch_up", min_round=plan.round):
+                        continue  # the swarm may have moved on meanwhile: look again
+                else:
+                    waiting.update(
+                        f"round {self.round}: waiting for the swarm's newer state",
+                        swarm_round=self.memory.highest_round,
+                        holders=len(plan.donors) + plan.resting if plan else 0,
+                    )
+                wait = max(self._poll_s, self.backoff.next_try(time.monotonic()) - time.monotonic())
+                self.stop.wait(min(wait, self.cfg.swarm.heartbeat_s * 4))
         return None
 
     def inner_phase(self) -> RoundStats:
@@ -360,26 +363,32 @@ class Trainer:
         """
         self.board.update(state=PeerState.AVERAGING)
         deadline = time.monotonic() + self.cfg.averaging.barrier_timeout_s
-        while True:
-            decision = protocol.barrier(
-                self.me(),
-                self._visible(),
-                now=time.monotonic(),
-                deadline=deadline,
-                swarm_finished=self.memory.swarm_finished,
-                num_rounds=self.cfg.outer.num_rounds,
-            )
-            if decision.state == BarrierState.STALE:
-                self.log.info(
-                    "the swarm moved past this round: dropping our pseudo-gradient", round=self.round
+        with self._waiting() as waiting:
+            while True:
+                decision = protocol.barrier(
+                    self.me(),
+                    self._visible(),
+                    now=time.monotonic(),
+                    deadline=deadline,
+                    swarm_finished=self.memory.swarm_finished,
+                    num_rounds=self.cfg.outer.num_rounds,
                 )
-                telemetry.OUTER_STEP_FAILURES.labels(reason="stale").inc()
-                self.diloco.reset_model()
-                return None
-            if decision.state == BarrierState.GO:
-                break
-            if self.stop.wait(self._poll_s):
-                return None  # stopping: leave the round unfinished rather than step alone
+                if decision.state == BarrierState.STALE:
+                    self.log.info(
+                        "the swarm moved past this round: dropping our pseudo-gradient", round=self.round
+                    )
+                    telemetry.OUTER_STEP_FAILURES.labels(reason="stale").inc()
+                    self.diloco.reset_model()
+                    return None
+                if decision.state == BarrierState.GO:
+                    break
+                waiting.update(
+                    f"round {self.round}: waiting for peers to finish it",
+                    ready=len(decision.ready),
+                    waiting_for=len(decision.waiting_for),
+                )
+                if self.stop.wait(self._poll_s):
+                    return None  # stopping: leave the round unfinished rather than step alone
         if decision.timed_out:
             self.log.warning(
                 "barrier timeout: averaging without slow peers",
@@ -398,12 +407,14 @@ class Trainer:
         t0 = time.monotonic()
         alone = len(group) + 1 < max(self.cfg.averaging.min_group_size, 2)
         round_ = self.round
-        report = self.diloco.sync(
-            None if alone else self.averager,
-            weight=max(stats.samples, 1),
-            round=round_,
-            fallback=self._may_step_alone,
-        )
+        with self._waiting() as waiting:
+            waiting.update(f"round {round_}: averaging", peers=len(group) + 1)
+            report = self.diloco.sync(
+                None if alone else self.averager,
+                weight=max(stats.samples, 1),
+                round=round_,
+                fallback=self._may_step_alone,
+            )
         stats.sync_s = time.monotonic() - t0
         if report.applied:
             self.rounds_applied.append(round_)
@@ -417,6 +428,9 @@ class Trainer:
         )
         self.averager.set_round(self.round)
         return report
+
+    def _waiting(self) -> Waiting:
+        return Waiting(terminal_progress_enabled(self.cfg.log.format), self.log)
 
     def _may_step_alone(self) -> bool:
         if protocol.may_step_alone(self.me(), self._visible(), swarm_finished=self.memory.swarm_finished):

@@ -106,3 +106,13 @@ def test_a_peer_that_ends_without_the_swarms_final_model_exits_3_with_one_line(
     result = CliRunner().invoke(cli.app, ["join", "--set", f"checkpoint.dir={tmp_path}"])
     assert result.exit_code == 3
     assert result.output.strip().splitlines()[-1] == f"error: this peer is {outcome}"
+
+
+def test_an_unwritable_maddrs_file_is_one_line_before_any_dht_starts(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    out = run("dht", "--maddrs-file", str(blocker / "dht.maddrs"), "--host-maddrs", "/ip4/127.0.0.1/tcp/0")
+    assert out.returncode == 1
+    assert one_line_error(out) == [
+        f"error: --maddrs-file {blocker / 'dht.maddrs'}: cannot write it ({blocker} is not a directory)"
+    ]

@@ -1,3 +1,5 @@
+import re
+
 import pytest
 
 from p2ptrain.config import ConfigError, ExperimentConfig, load_config, parse_set, reference_markdown
@@ -52,7 +54,7 @@ def test_out_of_range_value(tmp_path):
 
 def test_request_timeout_must_be_below_matchmaking_time(tmp_path):
     text = "averaging:\n  request_timeout_s: 5\n  matchmaking_time_s: 3\n"
-    with pytest.raises(ConfigError, match=r"averaging: averaging\.request_timeout_s must be smaller"):
+    with pytest.raises(ConfigError, match=r"c.yaml: averaging\.request_timeout_s must be smaller"):
         load_config(write(tmp_path, text))
 
 
@@ -123,3 +125,42 @@ def test_linger_must_outlast_a_failed_sync():
         None, {"swarm": {"linger_s": 100}, "averaging": {"retries": 0, "allreduce_timeout_s": 80}}
     )
     assert cfg.swarm.linger_s == 100
+
+
+def test_each_bad_value_is_blamed_on_where_it_came_from(tmp_path, monkeypatch):
+    path = write(tmp_path, "outer:\n  num_rounds: 2\n")
+    monkeypatch.setenv("P2PTRAIN_INNER__LR", "fast")
+    with pytest.raises(ConfigError, match=r"^environment variable P2PTRAIN_INNER__LR: inner.lr: "):
+        load_config(path)
+    monkeypatch.delenv("P2PTRAIN_INNER__LR")
+    with pytest.raises(ConfigError, match=r"^command line: inner.lr: "):
+        load_config(path, parse_set(["inner.lr=slow"]))
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(path))}: outer.num_rounds: "):
+        load_config(write(tmp_path, "outer:\n  num_rounds: many\n"))
+
+
+def test_a_text_corpus_that_is_a_directory_or_too_small_is_refused_at_validation(tmp_path):
+    with pytest.raises(ConfigError, match="is a directory"):
+        load_config(None, {"data": {"source": "text", "path": str(tmp_path)}})
+    tiny = tmp_path / "two-bytes.txt"
+    tiny.write_text("hi")
+    with pytest.raises(
+        ConfigError, match=r"has 2 bytes, too few for model.context_length 64 .*at least 195 bytes"
+    ):
+        load_config(None, {"data": {"source": "text", "path": str(tiny)}})
+    tiny.write_text("x" * 195)
+    assert load_config(None, {"data": {"source": "text", "path": str(tiny)}}).data.path == tiny
+
+
+def test_metrics_listen_on_this_machine_only_unless_asked():
+    assert ExperimentConfig().metrics.host == "127.0.0.1"
+
+
+def test_the_package_declares_what_it_imports_and_an_spdx_license():
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert isinstance(project["license"], str), (
+        "a TOML table license is deprecated (a warning on every install)"
+    )
+    assert any(d.lower().startswith("pyyaml") for d in project["dependencies"]), "config.py imports yaml"

@@ -151,3 +151,60 @@ def test_the_volunteer_example_config_is_valid_and_joins_somewhere():
     assert cfg.swarm.initial_peers and cfg.checkpoint.every_rounds > 0
     unit = (DEPLOY / "p2ptrain.service").read_text()
     assert "--config /etc/p2ptrain/experiment.yaml" in unit
+
+
+def test_systemd_unit_security_exposure_is_at_most_3_5(tmp_path):
+    """`systemd-analyze security --offline` rates the unit's sandboxing (0 best, 10 worst)."""
+    import shutil
+    import subprocess
+
+    if shutil.which("systemd-analyze") is None:
+        pytest.skip("systemd-analyze is not installed here")
+    unit = tmp_path / "p2ptrain.service"  # the tool wants a unit file name; the copy keeps the repo clean
+    unit.write_text((DEPLOY / "p2ptrain.service").read_text())
+    out = subprocess.run(
+        ["systemd-analyze", "security", "--offline=true", "--no-pager", str(unit)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    match = re.search(r"Overall exposure level for p2ptrain.service: ([0-9.]+)", out.stdout + out.stderr)
+    assert match, out.stdout[-2000:] + out.stderr[-2000:]
+    assert float(match.group(1)) <= 3.5, out.stdout
+
+
+def test_compose_swarm_keeps_running_and_starts_in_order(compose):
+    services = compose["services"]
+    dht_file = flag(services["dht"]["command"], "--maddrs-file")
+    assert dht_file in services["dht"]["healthcheck"]["test"], "the node is healthy once peers can find it"
+    for name in ("peer1", "peer2"):
+        peer = services[name]
+        assert peer["depends_on"]["dht"]["condition"] == "service_healthy"
+        ctx = parse_cli(peer["command"])
+        assert ctx.params["rounds"] >= 10_000, "a long-running swarm, not one that stops after 16 rounds"
+        assert f"127.0.0.1:{ctx.params['metrics_port']}/metrics" in " ".join(peer["healthcheck"]["test"])
+        port = ctx.params["host_maddrs"][0].rsplit("/", 1)[1]
+        assert f"{port}:{port}" in peer["ports"], f"{name}: others reach it through its published port"
+
+
+@pytest.mark.parametrize("announce", ["[]", '["/dns4/peer1/tcp/31338", "/ip4/203.0.113.5/tcp/31338"]'])
+def test_compose_announce_addresses_are_valid_config(compose, monkeypatch, announce):
+    from p2ptrain.config import load_config
+
+    for name in ("dht", "peer1", "peer2"):
+        value = compose["services"][name]["environment"]["P2PTRAIN_SWARM__ANNOUNCE_MADDRS"]
+        assert value.endswith(":-[]}"), "unset, a service announces nothing extra"
+    monkeypatch.setenv("P2PTRAIN_SWARM__ANNOUNCE_MADDRS", announce)
+    assert load_config().swarm.announce_maddrs == json.loads(announce)
+
+
+def test_the_image_creates_its_volumes_owned_by_the_user_it_runs_as(compose):
+    dockerfile = (DEPLOY / "Dockerfile").read_text()
+    user = re.search(r"^USER (\S+)", dockerfile, re.M).group(1)
+    volumes = {v.split(":")[1] for s in ("dht", "peer1", "peer2") for v in compose["services"][s]["volumes"]}
+    run = " ".join(re.findall(r"^RUN (.+?)(?<!\\)$", dockerfile.replace("\\\n", " "), re.M | re.S))
+    for path in sorted(volumes):
+        # A new named volume copies the image directory's owner: a missing one is root's, unwritable for `user`.
+        assert re.search(rf"mkdir [^&]*{path}\b", run), f"the image must create {path}"
+        assert re.search(rf"chown {user}:{user} [^&]*{path}\b", run), f"{path} must belong to {user}"
+    assert "P2PTRAIN_METRICS__HOST=0.0.0.0" in dockerfile, "Prometheus scrapes from another container"

@@ -68,3 +68,11 @@ def test_exposed_metrics_parse_with_prometheus_own_parser():
     assert 'p2ptrain_outer_step_failures_total{reason="no_group"}' in text
     for reason in telemetry.FAILURE_REASONS:  # every reason's series exists from the start, so rate() works
         assert f'p2ptrain_outer_step_failures_total{{reason="{reason}"}}' in text
+
+
+def test_the_bootstrap_node_exports_only_swarm_wide_series():
+    """A node that does not train must not export a peer's series at 0 (a dashboard's min() would pick it)."""
+    node = {m.name for m in telemetry.NODE.collect() if m.name.startswith("p2ptrain_")}
+    peer = {m.name for m in telemetry.REGISTRY.collect() if m.name.startswith("p2ptrain_")}
+    assert node == {"p2ptrain_peer", *(n for n in peer if n.startswith("p2ptrain_swarm_"))}
+    assert {"p2ptrain_validation_loss", "p2ptrain_round", "p2ptrain_train_loss"} <= peer - node

@@ -5,6 +5,7 @@ show it while it runs."""
 from __future__ import annotations
 
 import json
+import math
 import socket
 import subprocess
 import sys
@@ -16,7 +17,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from p2ptrain import checkpoint
+from tests.conftest import ROOT
 from tests.integration.conftest import LOOPBACK, join_args, val_losses
+from tests.promql import Scrapes, evaluate
 from tests.test_deploy import dashboard_metric_names, exposed_sample_names
 
 pytestmark = pytest.mark.integration
@@ -39,6 +42,27 @@ def value(families, name: str, **labels) -> float | None:
             if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
                 return s.value
     return None
+
+
+def scrape_all(ports: list[int], dht_port: int, peer0, peer1=None) -> dict:
+    """Every sample of the two peers and the node, labelled as deploy/prometheus.yml's jobs label them."""
+    targets = [
+        ("p2ptrain-peers", ports[0], peer0),
+        ("p2ptrain-peers", ports[1], peer1),
+        ("p2ptrain-dht", dht_port, None),
+    ]
+    samples = {}
+    for job, port, families in targets:
+        for family in families or scrape(port):
+            for sample in family.samples:
+                labels = {**sample.labels, "job": job, "instance": f"127.0.0.1:{port}"}
+                samples[(sample.name, tuple(sorted(labels.items())))] = sample.value
+    return samples
+
+
+def dashboard_queries() -> list[tuple[str, str]]:
+    dashboard = json.loads((ROOT / "deploy" / "grafana" / "dashboards" / "p2ptrain.json").read_text())
+    return [(p["title"], t["expr"]) for p in dashboard["panels"] for t in p.get("targets", [])]
 
 
 def poll(fn, timeout_s: float = 90, every_s: float = 0.5):
@@ -92,6 +116,8 @@ def test_metrics_status_and_logs_of_a_two_peer_swarm(tmp_path, spawn):
 
     # The peers' series move as training proceeds.
     first = poll(lambda: (f := scrape(ports[0])) and (value(f, "p2ptrain_outer_steps_total") or 0) >= 1 and f)
+    t_first, first_all_families = time.monotonic(), [first, scrape(ports[1])]
+    first_all = scrape_all(ports, dht_port, *first_all_families)
     # `status --json`, while they train: a reader process that joins the DHT and leaves.
     status_cmd = [sys.executable, "-m", "p2ptrain", "status", "--initial-peers", maddr, "--run-id", run_id]
     status_proc = subprocess.Popen([*status_cmd, "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -100,8 +126,25 @@ def test_metrics_status_and_logs_of_a_two_peer_swarm(tmp_path, spawn):
         return value(f, name) > value(first, name)
 
     # Metrics are not read atomically (an outer step may land between two counters): wait for both to move.
-    names = ("p2ptrain_outer_steps_total", "p2ptrain_inner_steps_total", "p2ptrain_samples_total")
+    # The histograms too: then every rate the dashboard takes has observations on both peers.
+    names = (
+        "p2ptrain_outer_steps_total",
+        "p2ptrain_inner_steps_total",
+        "p2ptrain_samples_total",
+        "p2ptrain_inner_step_duration_seconds_count",
+        "p2ptrain_outer_step_duration_seconds_count",
+        "p2ptrain_outer_sync_duration_seconds_count",
+    )
     later = poll(lambda: (f := scrape(ports[0])) and all(moved(n, f) for n in names) and f)
+    later_1 = poll(
+        lambda: (
+            (f := scrape(ports[1]))
+            and all(value(f, n) > value(first_all_families[1], n) for n in names)
+            and f
+        )
+    )
+    later_all = scrape_all(ports, dht_port, later, later_1)
+    dashboard = Scrapes(first_all, later_all, seconds=time.monotonic() - t_first)
     assert value(later, "p2ptrain_averaging_sent_bytes_total") > 0
     assert value(later, "p2ptrain_round") >= 2
     assert 0 < value(later, "p2ptrain_train_loss") < 6
@@ -130,6 +173,18 @@ def test_metrics_status_and_logs_of_a_two_peer_swarm(tmp_path, spawn):
     # Everything the dashboard draws exists on a live endpoint.
     live = exposed_sample_names(later) | exposed_sample_names(swarm)
     assert dashboard_metric_names() <= live, sorted(dashboard_metric_names() - live)
+    # The node that does not train exports no series of a peer's own (no loss of 0 in "Validation loss").
+    node_names = {s.name for f in swarm for s in f.samples}
+    assert not node_names & {"p2ptrain_validation_loss", "p2ptrain_train_loss", "p2ptrain_round"}, node_names
+    # Every query of the dashboard, as Prometheus would evaluate it over these scrapes: each panel shows
+    # something, and what a panel reads from the node is swarm-wide, never a peer's own series.
+    for title, expr in dashboard_queries():
+        result = evaluate(expr, dashboard)
+        assert result.series, f"{title}: {expr} shows nothing"
+        assert all(math.isfinite(v) for v in result.series.values()), (title, expr, result.series)
+        from_node = {name for name, labels in result.matched if dict(labels)["job"] == "p2ptrain-dht"}
+        assert all(name.startswith("p2ptrain_swarm_") for name in from_node), (title, expr, from_node)
+    assert min(evaluate("min(p2ptrain_validation_loss)", dashboard).series.values()) > 0.5
 
     for p in peers:
         assert p.wait(180) == 0, p.tail()
@@ -146,6 +201,8 @@ def test_metrics_status_and_logs_of_a_two_peer_swarm(tmp_path, spawn):
         lines = p.log_path.read_text().splitlines()
         events = [json.loads(line) for line in lines]  # every line, not only those that look like JSON
         assert all(e["run_id"] == run_id for e in events)
+        config = next(e for e in events if e["event"] == "config")  # a summary, not the whole config
+        assert config["model"] == "gpt-nano" and "averaging" not in config and "swarm" not in config
         assert all("peer_id" in e for e in events if e["event"] != "config")
         steps = [e for e in events if e["event"] == "outer step"]
         assert 1 <= len(steps) <= rounds and all(
