@@ -172,7 +172,11 @@ def main(argv: list[str] | None = None) -> None:
 
     result = {
         "benchmark": "churn",
-        "experiment": {"config": str(args.config.relative_to(ROOT)), "sets": sets, "peers": args.peers},
+        "experiment": {
+            "config": str(args.config.resolve().relative_to(ROOT)),
+            "sets": sets,
+            "peers": args.peers,
+        },
         "machine": {"cpus": torch.get_num_threads(), "platform": platform.platform()},
         "calm": calm,
         "churn": churn,
