@@ -19,10 +19,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from pydantic import ValidationError
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from p2ptrain.config import ConfigError, ExperimentConfig, load_config
+from p2ptrain.config import ConfigError, ExperimentConfig, format_validation_error, load_config
 from p2ptrain.diloco import DiLoCo, tensors_hash
 
 FORMAT = "p2ptrain/1"
@@ -133,13 +134,42 @@ def load(path: Path) -> LoadedModel:
     except (SafetensorError, OSError) as e:
         raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
     if metadata.get("format") != FORMAT:
-        raise CheckpointError(f"{path}: not a p2ptrain model file (format {metadata.get('format')!r})")
-    try:
-        config = ExperimentConfig.model_validate(json.loads(metadata["config"]))
-    except (ConfigError, ValueError, KeyError) as e:
-        raise CheckpointError(f"{path}: its embedded config is invalid: {e}") from None
+        raise CheckpointError(
+            f"{path}: not a p2ptrain model file (format {str(metadata.get('format'))[:40]!r})"
+        )
+    config = _embedded_config(path, metadata.get("config"))
+    round_ = metadata.get("round", "")
+    if not (
+        round_.isdigit() and len(round_) <= 12
+    ):  # a file can come from anyone: check, never int() blindly
+        raise CheckpointError(f"{path}: its round is not a whole number ({round_[:40]!r})")
     params = {k: v for k, v in tensors.items() if not k.startswith(_STATE_PREFIXES)}
-    return LoadedModel(config=config, round=int(metadata["round"]), params=params, metadata=metadata)
+    return LoadedModel(config=config, round=int(round_), params=params, metadata=metadata)
+
+
+MAX_CONFIG_BYTES = 1 << 20
+
+
+def _embedded_config(path: Path, text: str | None) -> ExperimentConfig:
+    if not text:
+        raise CheckpointError(f"{path}: it carries no experiment config")
+    if len(text) > MAX_CONFIG_BYTES:
+        raise CheckpointError(f"{path}: its embedded config is {len(text)} bytes, more than a config can be")
+    try:
+        data = json.loads(text)
+    except (ValueError, RecursionError) as e:  # RecursionError: absurdly deep nesting
+        raise CheckpointError(f"{path}: its embedded config is not valid JSON ({type(e).__name__})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: its embedded config is not a mapping of sections")
+    try:
+        return ExperimentConfig.model_validate(data)
+    except ValidationError as e:
+        problems = format_validation_error(e).replace("\n", "; ")
+        raise CheckpointError(f"{path}: its embedded config is invalid: {problems}") from None
+    except (ConfigError, ValueError, RecursionError) as e:
+        raise CheckpointError(
+            f"{path}: its embedded config is invalid: {str(e).splitlines()[0][:200]}"
+        ) from None
 
 
 def load_into(model: torch.nn.Module, loaded: LoadedModel, path: Path | str = "") -> None:

@@ -153,7 +153,8 @@ class DiLoCo:
         """End a round: average the pseudo-gradient (if there is anyone to average with) and step.
 
         Failure semantics: a pseudo-gradient with NaN or Inf is never sent; the peer keeps its global
-        params and skips the step. If the averager fails (no group, timeout, a peer left mid-way), the
+        params and skips the step. An average that is malformed or not finite is refused like a failed one
+        (reason ``rejected``). If the averager fails (no group, timeout, a peer left mid-way), the
         peer applies its own pseudo-gradient if ``fallback()`` says so (the trainer says no when the swarm
         has moved past this round: it will load the swarm's state instead), and says so in the report.
         """
@@ -170,6 +171,9 @@ class DiLoCo:
             # With error feedback we send Q(delta + residual): already on the wire's grid, so what the
             # codec drops is exactly the residual we keep.
             result = averager.average(ef.prepare(delta) if ef else delta, weight=weight, round=round)
+            problem = self.check_average(result.tensors)
+            if problem is not None:  # what groupmates sent is never trusted: refuse it, as a failed average
+                raise AveragingFailed("rejected", problem)
         except AveragingFailed as e:
             if ef:
                 ef.discard()  # nothing was sent: the old residual still stands
@@ -189,6 +193,18 @@ class DiLoCo:
             bytes_sent=result.bytes_sent,
             bytes_received=result.bytes_received,
         )
+
+    def check_average(self, tensors: Sequence[torch.Tensor]) -> str | None:
+        """Why an averaged pseudo-gradient must not be applied (None: it may): the wrong number, shape or
+        dtype of tensors, or values that are not finite (one NaN from anyone would make every param NaN)."""
+        if len(tensors) != len(self.master):
+            return f"{len(tensors)} tensors, expected {len(self.master)}"
+        for i, (t, m) in enumerate(zip(tensors, self.master)):
+            if not isinstance(t, torch.Tensor) or t.shape != m.shape or not t.is_floating_point():
+                return f"tensor {i} is not a float tensor of shape {tuple(m.shape)}"
+            if not torch.isfinite(t).all():
+                return f"tensor {i} has NaN or Inf"
+        return None
 
     # --- state, for newcomers and checkpoints --------------------------------------------------
 

@@ -65,7 +65,7 @@ REGISTRY.register(_Union(NODE, PEER))  # type: ignore[arg-type]
 ROUND_BUCKETS = (1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600, 1200, 1800, 3600)
 # One inner step: milliseconds on a GPU, seconds on a laptop CPU.
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
-FAILURE_REASONS = ("no_group", "allreduce", "non_finite", "stale")
+FAILURE_REASONS = ("no_group", "allreduce", "rejected", "non_finite", "stale")
 """Why a round's outer step did not average with the swarm (see DiLoCo.sync and Trainer.barrier)."""
 
 # --------------------------------------------------------------------------------------- a peer

@@ -156,3 +156,42 @@ def test_prune_keeps_the_newest_periodic_checkpoints(tmp_path):
         "round-000004.safetensors",
         "round-000005.safetensors",
     ]
+
+
+@pytest.mark.parametrize(
+    "metadata, reason",
+    [
+        ({"round": None}, "its round is not a whole number"),
+        ({"round": "three"}, "its round is not a whole number"),
+        ({"round": "-1"}, "its round is not a whole number"),
+        ({"config": "[" * 100_000 + "]" * 100_000}, "its embedded config is not valid JSON"),
+        ({"config": json.dumps({"inner": {"lr": "fast"}, "model": {"name": "gpt-huge"}})}, "is invalid: "),
+        ({"config": None}, "it carries no experiment config"),
+        ({"config": "[1, 2]"}, "not a mapping of sections"),
+    ],
+)
+def test_a_crafted_model_file_is_a_one_line_error(tmp_path, metadata, reason):
+    """A model file can come from anyone: every bad metadata field is a CheckpointError of one line."""
+    from safetensors.torch import load_file, save_file
+
+    _, _, _, path = make(tmp_path)
+    with safe_open_metadata(path) as original:
+        crafted = {k: v for k, v in {**original, **metadata}.items() if v is not None}
+    bad = tmp_path / "crafted.safetensors"
+    save_file(load_file(str(path)), str(bad), metadata=crafted)
+    with pytest.raises(checkpoint.CheckpointError) as e:
+        checkpoint.load(bad)
+    assert reason in str(e.value) and "\n" not in str(e.value) and len(str(e.value)) < 1000
+
+
+def safe_open_metadata(path):
+    import contextlib
+
+    from safetensors import safe_open
+
+    @contextlib.contextmanager
+    def opened():
+        with safe_open(str(path), framework="pt") as f:
+            yield dict(f.metadata())
+
+    return opened()

@@ -153,3 +153,29 @@ def test_tensors_hash_is_exact():
     u = t.clone()
     u[2] = torch.nextafter(u[2], torch.tensor(2.0))
     assert tensors_hash([t]) == tensors_hash([t.clone()]) != tensors_hash([u])
+
+
+@pytest.mark.parametrize(
+    "poison",
+    [
+        lambda t: [torch.full_like(t[0], float("nan"))],
+        lambda t: [torch.full_like(t[0], float("inf"))],
+        lambda t: [torch.zeros(3)],  # another shape
+        lambda t: [],  # missing tensors
+    ],
+)
+def test_a_poisoned_average_is_refused_never_applied(poison):
+    model = scalar_model(1.0)
+    d = DiLoCo(model, lr=1.0, momentum=0.0, nesterov=False)
+    with torch.no_grad():
+        model.w.fill_(0.75)
+
+    class Poisoner:
+        def average(self, tensors, *, weight, round):
+            return AverageResult(tensors=poison(tensors), group_size=2)
+
+    report = d.sync(Poisoner(), weight=1.0, round=0)
+    assert report.failure == "rejected" and report.group_size == 1  # it stepped with its own delta instead
+    assert torch.isfinite(d.master[0]).all() and math.isclose(d.master[0].item(), 0.75)
+    report = d.sync(Poisoner(), weight=1.0, round=1, fallback=lambda: False)
+    assert not report.applied and d.round == 1 and math.isclose(d.master[0].item(), 0.75)

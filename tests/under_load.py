@@ -67,7 +67,9 @@ def main(argv: list[str] | None = None) -> int:
     passed = sum(r["ok"] for r in runs)
     print(f"{passed}/{len(runs)} runs passed with {args.hogs} hog(s)")
     if args.json is not None:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+        )
         record = {
             "commit": commit.stdout.strip(),
             "hogs": args.hogs,
