@@ -137,7 +137,7 @@ def join(
     from p2ptrain import logs
 
     logs.configure(cfg.log.level, cfg.log.format, run_id=cfg.run.run_id)
-    from p2ptrain.trainer import Trainer
+    from p2ptrain.trainer import Outcome, Trainer
 
     stop = threading.Event()
     install_stop_handlers(stop)
@@ -172,7 +172,7 @@ def join(
         raise fail(str(e), EXIT_USAGE) from None
     if not result.ok:  # it ended without the swarm's final model: say so, and never as final.safetensors
         raise fail(result.reason, EXIT_NOT_FINAL)
-    if result.path is not None and result.path.name == "final.safetensors":
+    if result.outcome == Outcome.FINAL:
         typer.echo(f"Final model: {result.path}")
     else:
         typer.echo(f"Stopped; this peer's state is in {result.path} (started again, it resumes from it)")

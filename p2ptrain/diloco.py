@@ -197,14 +197,7 @@ class DiLoCo:
     def check_average(self, tensors: Sequence[torch.Tensor]) -> str | None:
         """Why an averaged pseudo-gradient must not be applied (None: it may): the wrong number, shape or
         dtype of tensors, or values that are not finite (one NaN from anyone would make every param NaN)."""
-        if len(tensors) != len(self.master):
-            return f"{len(tensors)} tensors, expected {len(self.master)}"
-        for i, (t, m) in enumerate(zip(tensors, self.master)):
-            if not isinstance(t, torch.Tensor) or t.shape != m.shape or not t.is_floating_point():
-                return f"tensor {i} is not a float tensor of shape {tuple(m.shape)}"
-            if not torch.isfinite(t).all():
-                return f"tensor {i} has NaN or Inf"
-        return None
+        return misfit("average", tensors, self.master)
 
     # --- state, for newcomers and checkpoints --------------------------------------------------
 
@@ -237,15 +230,9 @@ class DiLoCo:
             ValueError: the tensors do not match this model (count, shapes, dtypes) or are not finite.
         """
         n = len(self.master)
-        if len(tensors) != 2 * n:
-            raise ValueError(f"state has {len(tensors)} tensors, expected {2 * n}")
-        for i, (t, m) in enumerate(zip(tensors, self.master + self.master)):
-            if t.shape != m.shape or t.dtype != m.dtype:
-                raise ValueError(
-                    f"state tensor {i}: {tuple(t.shape)} {t.dtype}, expected {tuple(m.shape)} {m.dtype}"
-                )
-            if not torch.isfinite(t).all():
-                raise ValueError(f"state tensor {i} has non-finite values")
+        problem = misfit("state", tensors, self.master + self.master)
+        if problem is not None:
+            raise ValueError(problem)
         with self.lock:
             for m, t in zip(self.master, tensors[:n]):
                 m.copy_(t)
@@ -261,6 +248,20 @@ class DiLoCo:
             if self._hash is None or self._hash[0] != self._version:
                 self._hash = (self._version, tensors_hash(self.master))
             return self._hash[1]
+
+
+def misfit(what: str, tensors: Sequence[torch.Tensor], like: Sequence[torch.Tensor]) -> str | None:
+    """Why ``tensors`` (from another peer, or a file) do not fit where ``like`` are: their count, a shape or
+    dtype, or a value that is not finite. None if they fit."""
+    if len(tensors) != len(like):
+        return f"{what} has {len(tensors)} tensors, expected {len(like)}"
+    for i, (t, m) in enumerate(zip(tensors, like)):
+        if not isinstance(t, torch.Tensor) or t.shape != m.shape or t.dtype != m.dtype:
+            found = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
+            return f"{what} tensor {i}: {found}, expected {tuple(m.shape)} {m.dtype}"
+        if not torch.isfinite(t).all():
+            return f"{what} tensor {i} has non-finite values"
+    return None
 
 
 def tensors_hash(tensors: Sequence[torch.Tensor]) -> str:

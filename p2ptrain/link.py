@@ -18,7 +18,7 @@ from hivemind.compression import CompressionBase
 from p2ptrain import telemetry
 from p2ptrain.config import ExperimentConfig
 from p2ptrain.diloco import AverageResult
-from p2ptrain.records import ProgressRecord
+from p2ptrain.records import ProgressRecord, live
 
 StateProvider = Callable[[], tuple[dict, list[torch.Tensor]]]
 """What a donor serves: metadata and tensors (``transfer.donation``)."""
@@ -92,7 +92,8 @@ def connect_hivemind(
     from p2ptrain.averaging import SwarmAverager
     from p2ptrain.swarm import Swarm
 
-    swarm = Swarm(cfg.run.run_id, cfg.swarm, device=device, observers=[telemetry.observe_swarm])
+    swarm = Swarm(cfg.run.run_id, cfg.swarm, device=device)
+    swarm.subscribe(lambda records: telemetry.observe_swarm(live(records)))
     try:
         averager = SwarmAverager(
             swarm.dht,

@@ -78,8 +78,6 @@ class Waiting:
         self._next_log = self._started + first_s
 
     def __enter__(self) -> Waiting:
-        self._started = time.monotonic()
-        self._next_log = self._started + self.first_s
         return self
 
     def update(self, what: str, **fields: Any) -> None:

@@ -38,7 +38,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 
-from p2ptrain.records import PeerState, ProgressRecord, Vote, canonical_hash
+from p2ptrain.records import PeerState, ProgressRecord, Vote, canonical_hash, live
 
 Records = Mapping[str, ProgressRecord]
 """Other peers' records by peer id, as read from the swarm: unexpired, possibly ``left``."""
@@ -56,11 +56,6 @@ class Me:
     @property
     def vote(self) -> Vote:
         return Vote(self.params_hash, self.last_group_size)
-
-
-def live(records: Records) -> dict[str, ProgressRecord]:
-    """Records of peers that have not said they left."""
-    return {pid: r for pid, r in records.items() if r.state != PeerState.LEFT}
 
 
 # ----------------------------------------------------------------------------------------- catching up
@@ -103,7 +98,8 @@ def catch_up(me: Me, others: Records, *, resting: Iterable[str] = ()) -> CatchUp
 class DonorBackoff:
     """When to ask a donor that failed us again: after ``base_s``, doubling per failure up to ``max_s``.
 
-    A donor is never given up on while its record is alive: it may have been busy, or its upload slow.
+    It may have been busy, or its upload slow; only :func:`behind` gives up on it, after
+    ``swarm.catch_up_timeout_s`` without the newer state.
     """
 
     def __init__(self, base_s: float, max_s: float):

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -95,6 +95,11 @@ class Vote:
     @classmethod
     def of(cls, record: ProgressRecord) -> Vote:
         return cls(record.params_hash, record.last_group_size)
+
+
+def live(records: Mapping[str, ProgressRecord]) -> dict[str, ProgressRecord]:
+    """Records of peers that have not said they left."""
+    return {pid: r for pid, r in records.items() if r.state != PeerState.LEFT}
 
 
 def global_round(records: dict[str, ProgressRecord]) -> int:

@@ -38,7 +38,7 @@ from p2ptrain.addrs import SwarmError, is_loopback, read_maddrs_file
 from p2ptrain.config import SwarmConfig
 from p2ptrain.logs import get_logger
 from p2ptrain.procs import ParentWatchdog
-from p2ptrain.records import PeerState, ProgressRecord, SplitWatch, view_hash
+from p2ptrain.records import PeerState, ProgressRecord, SplitWatch, live, view_hash
 
 log = get_logger(__name__)
 
@@ -135,13 +135,9 @@ class Swarm:
     The DHT's client pipe is not safe for concurrent use from several threads of one process, so every
     DHT call here holds ``self._lock``.
 
-    Args:
-        observers: called with the live records after every read (telemetry's swarm gauges).
     """
 
-    def __init__(
-        self, run_id: str, cfg: SwarmConfig, *, device: str, observers: Sequence[RecordsObserver] = ()
-    ):
+    def __init__(self, run_id: str, cfg: SwarmConfig, *, device: str):
         self.run_id = run_id
         self.device = device
         self.heartbeat_s, self.record_ttl_s = cfg.heartbeat_s, cfg.record_ttl_s
@@ -151,7 +147,6 @@ class Swarm:
         self.peer_id = self.dht.peer_id.to_base58()
         self.status = LocalStatus()
         self.split_watch = SplitWatch(cfg.split_warning_s)
-        self._observers = list(observers)
         self._subscribers: list[RecordsObserver] = []
         self._watch_lock = threading.Lock()
         self._lock = threading.Lock()
@@ -223,15 +218,13 @@ class Swarm:
         with self._lock:
             found = self.dht.get(progress_key(self.run_id), latest=True)
         records = records_from_dht_value(found)
-        live = {pid: r for pid, r in records.items() if r.state != PeerState.LEFT}
-        for observe in self._observers:
-            observe(live)
         for subscriber in self._subscribers:
             subscriber(records)
-        self.status.seen = len(live.keys() | {self.peer_id})
-        self.status.view = view_hash(live.keys() | {self.peer_id})
+        alive = live(records)
+        self.status.seen = len(alive.keys() | {self.peer_id})
+        self.status.view = view_hash(alive.keys() | {self.peer_id})
         with self._watch_lock:  # read by the heartbeat thread and the trainer
-            warning = self.split_watch.observe(time.monotonic(), self.peer_id, self.status.round, live)
+            warning = self.split_watch.observe(time.monotonic(), self.peer_id, self.status.round, alive)
         if warning is not None:
             log.warning(
                 "the swarm may be split: peers see different swarms. Check that every peer uses the same "
@@ -271,8 +264,7 @@ def progress_validators(run_id: str) -> list:
 
 def live_records(dht: hivemind.DHT, run_id: str) -> dict[str, ProgressRecord]:
     """The unexpired records of ``run_id`` by peer id, without peers that said they left."""
-    found = dht.get(progress_key(run_id), latest=True)
-    return {pid: r for pid, r in records_from_dht_value(found).items() if r.state != PeerState.LEFT}
+    return live(records_from_dht_value(dht.get(progress_key(run_id), latest=True)))
 
 
 def records_from_dht_value(found: Any) -> dict[str, ProgressRecord]:

@@ -32,7 +32,7 @@ from p2ptrain.logs import bind, get_logger
 from p2ptrain.models import build_model, num_params
 from p2ptrain.progress import InnerProgress, Waiting, terminal_progress_enabled
 from p2ptrain.protocol import BarrierState, BehindState, LingerState, Me
-from p2ptrain.records import PeerState, ProgressRecord
+from p2ptrain.records import PeerState, ProgressRecord, live
 from p2ptrain.transfer import donation, fetch_state
 
 log = get_logger(__name__)
@@ -119,7 +119,6 @@ class Trainer:
         """What this peer has seen of the swarm (kept in its checkpoints)."""
         self.backoff = protocol.DonorBackoff(base_s=cfg.swarm.heartbeat_s, max_s=cfg.swarm.record_ttl_s)
         self.last_group_size = 0
-        self.result: RunResult | None = None
 
     @property
     def round(self) -> int:
@@ -150,15 +149,12 @@ class Trainer:
                 self.log_round(report, stats)
                 self.maybe_checkpoint()
             if stranded is not None:
-                self.result = self.end_stranded(stranded)
-            elif self.round >= self.cfg.outer.num_rounds:
-                self.result = self.finish()
-            else:
-                path = self.save(Outcome.INTERRUPTED)
-                self.result = RunResult(Outcome.INTERRUPTED, path, "stopped")
+                return self.end_stranded(stranded)
+            if self.round >= self.cfg.outer.num_rounds:
+                return self.finish()
+            return RunResult(Outcome.INTERRUPTED, self.save(Outcome.INTERRUPTED), "stopped")
         finally:
             self.shutdown()
-        return self.result
 
     # ------------------------------------------------------------------------------ the phases
 
@@ -239,7 +235,7 @@ class Trainer:
             deadline = time.monotonic() + cfg.min_peers_timeout_s
             self.log.info("waiting for peers", min_peers=cfg.min_peers)
             with self._waiting() as waiting:
-                while (present := len(protocol.live(self._others())) + 1) < cfg.min_peers:
+                while (present := len(live(self._others())) + 1) < cfg.min_peers:
                     if time.monotonic() > deadline:
                         self.log.warning(
                             "starting without swarm.min_peers", min_peers=cfg.min_peers, present=present
@@ -666,17 +662,16 @@ class Trainer:
         return Me(self.peer_id, self.round, self.diloco.params_hash(), self.last_group_size)
 
     def _others(self) -> dict[str, ProgressRecord]:
-        """The other peers' records (left ones included); what they show is remembered in ``self.memory``."""
-        others = {pid: r for pid, r in self.board.records().items() if pid != self.peer_id}
-        self.memory.observe(others)
-        return others
+        """The other peers' records (left ones included). Every reading also reaches ``self.memory``, through
+        the board's subscription."""
+        return {pid: r for pid, r in self.board.records().items() if pid != self.peer_id}
 
     def _visible(self) -> dict[str, ProgressRecord]:
         """The other peers' records that the round's decisions look at (see ``SwarmMemory.visible``)."""
         return self.memory.visible(self._others(), self.round)
 
     def _remember(self, records: dict[str, ProgressRecord]) -> None:
-        """Fed every reading of the heartbeat: the swarm's progress is noticed while we train, too."""
+        """Fed every reading of the records, the heartbeat's too: the swarm's progress is noticed while we train."""
         self.memory.observe({pid: r for pid, r in records.items() if pid != self.peer_id})
 
     @property

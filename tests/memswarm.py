@@ -197,9 +197,7 @@ class MemoryBoard:
         # As swarm.Swarm's heartbeat: publish our record, and read everyone's (subscribers see it).
         while not self._peer.gone.wait(self._peer.cfg.swarm.heartbeat_s):
             self._peer.swarm.publish(self._peer)
-            records = self._peer.swarm.read()
-            for observe in self._subscribers:
-                observe(records)
+            self._read()
 
     def update(self, **changes: Any) -> None:
         peer = self._peer
@@ -222,7 +220,13 @@ class MemoryBoard:
             peer.records_after_done += 1
             if peer.records_after_done == 2:  # finish() read the swarm once and wrote final.safetensors
                 peer.hit(Point.FINISHED, peer.status["round"])
-        return peer.swarm.read()
+        return self._read()
+
+    def _read(self) -> dict[str, ProgressRecord]:
+        records = self._peer.swarm.read()
+        for observe in self._subscribers:  # as swarm.Swarm: every reading reaches its subscribers
+            observe(records)
+        return records
 
     def shutdown(self) -> None:
         peer = self._peer
