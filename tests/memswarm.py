@@ -326,8 +326,19 @@ class MemorySwarm:
         if peer.dead.is_set():
             raise Crash(f"{peer.name} in the all-reduce of round {round}")
         if isinstance(result, AveragingFailed):
+            self._learn_late(peer, group, deadline=time.monotonic() + cfg.allreduce_timeout_s)
             raise result
         return result
+
+    def _learn_late(self, peer: _Peer, group: _Group, deadline: float) -> None:
+        """A member whose all-reduce fails while groupmates got the average learns it late, as with hivemind
+        (it waits out a groupmate's timeout; they step at once): only after they have published their step.
+        Without this, which of the two comes first would be up to the thread scheduler."""
+        lucky = [m for m, _, _ in group.members if not isinstance(group.results[m.peer_id], AveragingFailed)]
+        while time.monotonic() < deadline and not peer.stop.is_set():
+            if all(m.status["round"] > group.round or m.gone.is_set() for m in lucky):
+                return
+            time.sleep(0.01)
 
     def _everyone_ready_is_in(self, group: _Group) -> bool:
         """Under the lock: every live peer whose record says it is past the barrier of this round has joined.
