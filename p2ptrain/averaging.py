@@ -24,6 +24,7 @@ import concurrent.futures
 import os
 import threading
 import time
+import typing
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -33,7 +34,7 @@ from hivemind.averaging.allreduce import AllreduceException, AllReduceRunner, Av
 from hivemind.averaging.partition import TensorPartContainer
 from hivemind.compression import CompressionBase
 from hivemind.compression.serialization import combine_from_streaming
-from hivemind.p2p import PeerID
+from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import MPFuture
 from hivemind.utils.asyncio import (
@@ -48,11 +49,18 @@ from p2ptrain.compression import deserialize
 from p2ptrain.config import AveragingConfig
 from p2ptrain.diloco import AverageResult, AveragingFailed
 from p2ptrain.logs import get_logger, unbind
+from p2ptrain.membership import Throttle
 from p2ptrain.procs import ParentWatchdog, keep_sigint_handler
+from p2ptrain.records import live
+from p2ptrain.swarm import progress_key, records_from_dht_value
 
 log = get_logger(__name__)
 
 _POLL_S = 0.25
+_MEMBERS_MAX_AGE_S = 10.0
+"""Read the run's records again at most this long after the last read (peers that left lose the door)..."""
+_MEMBERS_MIN_AGE_S = 1.0
+"""...and at least this long after it (an unknown caller may be a newcomer whose record just arrived)."""
 
 
 class _Stopped(Exception):
@@ -188,12 +196,72 @@ class ExactAllReduceRunner(AllReduceRunner):
 
 
 class ExactAverager(ParentWatchdog, DecentralizedAverager):
-    """hivemind's DecentralizedAverager with exact all-reduce, byte counts, chosen donors and a watchdog."""
+    """hivemind's DecentralizedAverager with exact all-reduce, byte counts, chosen donors, a watchdog, and
+    a door: only members of the run may call it.
 
-    def __init__(self, *args, state_provider: Callable[[], tuple[dict, list[torch.Tensor]]], **kwargs):
+    hivemind authorizes no averaging RPC. Here joining a group, sending a part and downloading the state
+    are refused to a caller (its libp2p id, which the transport authenticates) that has no live progress
+    record of the run: with a swarm key only key holders can write one (``membership.py``).
+    """
+
+    def __init__(
+        self, *args, run_id: str, state_provider: Callable[[], tuple[dict, list[torch.Tensor]]], **kwargs
+    ):
         self._watched_parent_pid = os.getpid()
         self._state_provider = state_provider
+        self._run_id = run_id
+        self._members: set[str] = set()
+        self._members_read_at = -float("inf")
+        self._members_lock: asyncio.Lock | None = None
+        self._refused = Throttle()
         super().__init__(*args, **kwargs)
+
+    async def _admit(self, remote: PeerID, rpc: str) -> None:
+        """Raise PermissionError (which hivemind sends back to the caller) unless ``remote`` is a member."""
+        peer = remote.to_base58()
+        if self._members_lock is None:  # made in this (the averager's) process and event loop
+            self._members_lock = asyncio.Lock()
+        async with self._members_lock:  # a caller that comes during a read waits for its result
+            age = time.monotonic() - self._members_read_at
+            if age > _MEMBERS_MAX_AGE_S or (peer not in self._members and age > _MEMBERS_MIN_AGE_S):
+                found = await self.dht.get(progress_key(self._run_id), latest=True, return_future=True)
+                self._members = set(live(records_from_dht_value(found)))
+                self._members_read_at = time.monotonic()
+            if peer in self._members:
+                return
+        if count := self._refused.due():
+            log.warning(
+                "refused an averaging request from a peer that is not in this run",
+                peer=peer,
+                rpc=rpc,
+                count=count,
+                hint="it has no progress record of the run: without the swarm key it cannot have one",
+            )
+        raise PermissionError(
+            f"{self.peer_id} refuses {rpc}: {peer} has no progress record in run {self._run_id!r} "
+            "(does it hold the swarm's key, swarm.key_file, and the same run.run_id?)"
+        )
+
+    async def rpc_join_group(
+        self, request: averaging_pb2.JoinRequest, context: P2PContext
+    ) -> typing.AsyncIterator[averaging_pb2.MessageFromLeader]:  # hivemind reads these: typing's, not abc's
+        await self._admit(context.remote_id, "to let it join a group")
+        async for message in super().rpc_join_group(request, context):
+            yield message
+
+    async def rpc_aggregate_part(
+        self, stream: typing.AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+    ) -> typing.AsyncIterator[averaging_pb2.AveragingData]:
+        await self._admit(context.remote_id, "to average its part")
+        async for message in super().rpc_aggregate_part(stream, context):
+            yield message
+
+    async def rpc_download_state(
+        self, request: averaging_pb2.DownloadRequest, context: P2PContext
+    ) -> typing.AsyncIterator[averaging_pb2.DownloadData]:
+        await self._admit(context.remote_id, "to send it the state")
+        async for message in super().rpc_download_state(request, context):
+            yield message
 
     def run(self) -> None:
         self._start_parent_watchdog(lambda: self._outer_pipe.send(("_shutdown", [self.shutdown_timeout], {})))
@@ -327,6 +395,7 @@ class SwarmAverager:
                 self.buffers,
                 dht,
                 prefix=f"{run_id}_diloco",
+                run_id=run_id,
                 start=True,
                 state_provider=state_provider,
                 target_group_size=cfg.target_group_size,

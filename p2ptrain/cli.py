@@ -45,6 +45,9 @@ MetricsPortOpt = Annotated[
     int | None, typer.Option(help="Serve Prometheus metrics on this port at /metrics (metrics.port).")
 ]
 RunIdOpt = Annotated[str | None, typer.Option(help="The run to watch (run.run_id).")]
+KeyFileOpt = Annotated[
+    Path | None, typer.Option(help="The swarm key (swarm.key_file; `p2ptrain keygen` makes one).")
+]
 
 
 def fail(message: str, code: int) -> typer.Exit:
@@ -63,6 +66,7 @@ def swarm_flags(
     host_maddrs: list[str] | None,
     announce_maddrs: list[str] | None,
     identity_path: Path | None,
+    key_file: Path | None,
     client_mode: bool | None = None,
 ) -> dict[str, Any]:
     """The swarm section's command-line flags as config overrides (None: not given)."""
@@ -71,6 +75,7 @@ def swarm_flags(
         host_maddrs=_split(host_maddrs),
         announce_maddrs=_split(announce_maddrs),
         identity_path=identity_path,
+        key_file=key_file,
         client_mode=client_mode,
     )
 
@@ -114,6 +119,7 @@ def join(
     host_maddrs: MaddrsOpt = None,
     announce_maddrs: MaddrsOpt = None,
     identity_path: Annotated[Path | None, typer.Option(help="Private key file: a stable peer id.")] = None,
+    key_file: KeyFileOpt = None,
     client_mode: Annotated[bool | None, typer.Option(help="Accept no incoming connections.")] = None,
     device: Annotated[str | None, typer.Option(help="auto | cpu | cuda | mps.")] = None,
     rounds: Annotated[int | None, typer.Option(help="outer.num_rounds.")] = None,
@@ -127,7 +133,9 @@ def join(
         config,
         set_,
         {
-            "swarm": swarm_flags(initial_peers, host_maddrs, announce_maddrs, identity_path, client_mode),
+            "swarm": swarm_flags(
+                initial_peers, host_maddrs, announce_maddrs, identity_path, key_file, client_mode
+            ),
             "device": dict(kind=device),
             "outer": dict(num_rounds=rounds),
             "log": dict(level=log_level, format=log_format),
@@ -184,6 +192,7 @@ def dht(
     host_maddrs: MaddrsOpt = None,
     announce_maddrs: MaddrsOpt = None,
     identity_path: Annotated[Path | None, typer.Option(help="Private key file: a stable peer id.")] = None,
+    key_file: KeyFileOpt = None,
     run_id: RunIdOpt = None,
     metrics_port: MetricsPortOpt = None,
     maddrs_file: Annotated[
@@ -205,7 +214,7 @@ def dht(
         set_,
         {
             "run": dict(run_id=run_id),
-            "swarm": swarm_flags(initial_peers, host_maddrs, announce_maddrs, identity_path),
+            "swarm": swarm_flags(initial_peers, host_maddrs, announce_maddrs, identity_path, key_file),
             "log": dict(level=log_level, format=log_format),
             "metrics": dict(port=metrics_port),
         },
@@ -226,7 +235,9 @@ def dht(
     stop = threading.Event()
     install_stop_handlers(stop)
     try:
-        node = create_dht(cfg.swarm, record_validators=progress_validators(cfg.run.run_id))
+        node = create_dht(
+            cfg.swarm, record_validators=progress_validators(cfg.run.run_id, cfg.swarm.record_ttl_s)
+        )
     except SwarmError as e:
         raise fail(str(e), EXIT_RUNTIME) from None
     monitor = None
@@ -267,6 +278,7 @@ def dht(
 @app.command()
 def status(
     initial_peers: MaddrsOpt = None,
+    key_file: KeyFileOpt = None,
     run_id: RunIdOpt = None,
     config: ConfigOpt = None,
     set_: SetOpt = None,
@@ -281,6 +293,7 @@ def status(
             # A reader: a DHT client that serves nothing and maps no ports; on loopback when the swarm is.
             "swarm": dict(
                 initial_peers=_split(initial_peers),
+                key_file=key_file,
                 client_mode=True,
                 nat_port_map=False,
                 host_maddrs=[_status_listen_addr(_split(initial_peers) or [])],
@@ -298,7 +311,9 @@ def status(
 
     logs.configure("error", "json" if as_json else cfg.log.format)
     try:
-        node = create_dht(cfg.swarm, record_validators=progress_validators(cfg.run.run_id))
+        node = create_dht(
+            cfg.swarm, record_validators=progress_validators(cfg.run.run_id, cfg.swarm.record_ttl_s)
+        )
     except SwarmError as e:
         raise fail(str(e), EXIT_RUNTIME) from None
     try:
@@ -307,6 +322,21 @@ def status(
         node.shutdown()
     summary = summarize(cfg.run.run_id, records)
     typer.echo(json.dumps(summary) if as_json else render(summary))
+
+
+@app.command()
+def keygen(
+    path: Annotated[Path, typer.Argument(metavar="FILE", help="Where to write the key (never overwritten).")],
+) -> None:
+    """Make a swarm key. Give the file to every peer, bootstrap node and status reader of the swarm
+    (swarm.key_file, or --key-file): only holders can join it."""
+    from p2ptrain.membership import generate_swarm_key
+
+    try:
+        generate_swarm_key(path)
+    except SwarmError as e:
+        raise fail(str(e), EXIT_RUNTIME) from None
+    typer.echo(f"Swarm key written to {path}. Share it only with the swarm's peers (--key-file {path}).")
 
 
 @app.command()

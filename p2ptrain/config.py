@@ -199,7 +199,13 @@ class SwarmConfig(_Section):
     announce_maddrs: list[str] = []
     """Public addresses to tell other peers, when they differ from the listening ones (NAT, port forwarding)."""
     identity_path: Path | None = None
-    """File holding this peer's private key: created on first use, it keeps the peer id stable across restarts."""
+    """File holding this peer's private key: created on first use, it keeps the peer id stable across restarts.
+    The same key signs the peer's progress record. None: a new identity each start."""
+    key_file: Path | None = None
+    """The swarm key (`p2ptrain keygen FILE` makes one; share it with the swarm's peers, bootstrap nodes and
+    status readers, over a channel you trust). Only holders can read or write the run's records, join its
+    all-reduce or download its state. None: an open swarm that anyone who can reach a peer may join (each
+    peer says so at start)."""
     client_mode: bool = False
     """Run without accepting incoming connections (behind a NAT without port forwarding). Such a peer still
     trains and sends its pseudo-gradients, but cannot serve as a reducer or state donor."""

@@ -31,6 +31,7 @@ def run_demo(
 ) -> dict[str, Any]:
     """Run the swarm to the end and return the summary (also printed)."""
     from p2ptrain.evaluation import Evaluator
+    from p2ptrain.membership import generate_swarm_key
 
     t0 = time.monotonic()
     run_id = f"demo-{uuid.uuid4().hex[:8]}"  # a fresh run: never mix with an earlier demo's records
@@ -43,6 +44,11 @@ def run_demo(
             old.unlink()
     threads = cfg.device.num_threads or max(1, (os.cpu_count() or 1) // peers)
     base = ["join", "--host-maddrs", LOOPBACK, "--log-format", "json"]
+    if cfg.swarm.key_file is None:  # a closed swarm, as a real one should be: only these peers hold the key
+        key_file = workdir / "swarm.key"
+        key_file.unlink(missing_ok=True)
+        generate_swarm_key(key_file)
+        base += ["--key-file", str(key_file)]
     if config_path is not None:
         base += ["--config", str(config_path)]
     for item in sets:
@@ -65,6 +71,7 @@ def run_demo(
         f"p2ptrain demo: {peers} peers on 127.0.0.1, {cfg.model.name}, {cfg.outer.num_rounds} rounds of "
         f"{cfg.inner.num_inner_steps} inner steps, {threads} thread(s) each. Logs: {workdir}/peer*.log"
     )
+    print(f"swarm key: {cfg.swarm.key_file or workdir / 'swarm.key'} (only its holders can join)")
     print(f"initial validation loss: {initial_val_loss:.4f}")
     rounds: dict[int, dict[int, dict]] = defaultdict(dict)
     lock = threading.Lock()

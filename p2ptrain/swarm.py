@@ -6,8 +6,10 @@ There is no coordinator. Each peer stores a small record (``records.ProgressReco
 that peer is gone. What a peer decides from the records is in ``protocol.py``; this module only moves
 them.
 
-The subkey is the signer's public key, so only its owner can overwrite it; the record's ``peer_id`` is
-still self-declared (binding it to the signer is the hostile-peer issue's work, docs/architecture.md).
+The subkey is the signer's public key, which is also the peer's libp2p identity: only its owner can
+write it, and a reader keeps a record only if its ``peer_id`` is its signer's. No node stores a record
+that expires later than ``2 * swarm.record_ttl_s`` from now, so a peer that stops refreshing its record
+is gone within that time whatever it asked for.
 
 Each record also carries the peer's *view*: a short hash of the set of live peers it sees. Peers of a
 healthy swarm see the same set within a few heartbeats. :class:`~p2ptrain.records.SplitWatch` warns
@@ -20,14 +22,18 @@ makes the child shut itself down (and ``p2pd`` with it) when the main process di
 from __future__ import annotations
 
 import os
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import hivemind
+from hivemind.dht.routing import DHTID
 from hivemind.dht.schema import BytesWithPublicKey, RSASignatureValidator, SchemaValidator
+from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.timed_storage import get_dht_time
 
@@ -37,6 +43,14 @@ from pydantic.v1 import BaseModel
 from p2ptrain.addrs import SwarmError, is_loopback, read_maddrs_file
 from p2ptrain.config import SwarmConfig
 from p2ptrain.logs import get_logger
+from p2ptrain.membership import (
+    SwarmKeyAuthorizer,
+    create_identity,
+    load_identity,
+    peer_id_of,
+    peer_id_of_owner,
+    read_swarm_key,
+)
 from p2ptrain.procs import ParentWatchdog
 from p2ptrain.records import PeerState, ProgressRecord, SplitWatch, live, view_hash
 
@@ -65,9 +79,21 @@ class WatchedDHT(ParentWatchdog, hivemind.DHT):
         super().run()
 
 
-def create_dht(cfg: SwarmConfig, record_validators: Sequence = ()) -> WatchedDHT:
+def create_dht(
+    cfg: SwarmConfig,
+    record_validators: Sequence = (),
+    *,
+    identity_file: Path | None = None,
+    fresh_identity: bool = False,
+) -> WatchedDHT:
     """Start a DHT (and its p2pd) and join the swarm, or raise :class:`SwarmError` within
-    ``cfg.bootstrap_timeout_s``."""
+    ``cfg.bootstrap_timeout_s``.
+
+    With ``cfg.key_file``, the DHT talks only to holders of that swarm key (``membership.py``). The
+    identity is ``identity_file`` (default ``cfg.identity_path``; ``fresh_identity``: we just made it, so
+    nobody else can be using it).
+    """
+    authorizer = SwarmKeyAuthorizer(read_swarm_key(cfg.key_file)) if cfg.key_file is not None else None
     initial_peers = [*cfg.initial_peers, *read_maddrs_file(cfg.initial_peers_file, cfg.bootstrap_timeout_s)]
     # On loopback there is nothing to map or probe; UPnP discovery would multicast to the LAN.
     loopback_only = all(is_loopback(m) for m in cfg.host_maddrs)
@@ -81,29 +107,39 @@ def create_dht(cfg: SwarmConfig, record_validators: Sequence = ()) -> WatchedDHT
         use_relay=cfg.use_relay,
         use_auto_relay=cfg.use_auto_relay,
         record_validators=list(record_validators),
+        authorizer=authorizer,
         # p2pd exits by itself once its client (the DHT child) has been gone this long.
         idle_timeout=30,
         start=False,
     )
-    if cfg.identity_path is not None:
-        kwargs["identity_path"] = str(cfg.identity_path)
+    identity_file = identity_file if identity_file is not None else cfg.identity_path
+    if identity_file is not None:
+        kwargs["identity_path"] = str(identity_file)
+        kwargs["check_if_identity_free"] = not fresh_identity
     dht = WatchedDHT(**kwargs)
     dht.start()
+    keyed = " (do they hold this swarm's swarm.key_file?)" if authorizer is not None else ""
     try:
         dht.wait_until_ready(timeout=cfg.bootstrap_timeout_s)
     except TimeoutError:
         stop_dht(dht)
         raise SwarmError(
-            f"no initial peer answered within {cfg.bootstrap_timeout_s:.0f}s: {', '.join(initial_peers)}"
+            f"no initial peer answered within {cfg.bootstrap_timeout_s:.0f}s: {', '.join(initial_peers)}{keyed}"
         ) from None
     except Exception as e:
         stop_dht(dht)
         reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
         if initial_peers:
             raise SwarmError(
-                f"could not join the swarm through {', '.join(initial_peers)}: {reason}"
+                f"could not join the swarm through {', '.join(initial_peers)}: {reason}{keyed}"
             ) from None
         raise SwarmError(f"could not start the DHT: {reason}") from None
+    if authorizer is None:
+        log.warning(
+            "open swarm: no swarm.key_file, so anyone who can reach this peer can read and write the run's "
+            "records, join its all-reduce and download its state (`p2ptrain keygen` makes a key)",
+            peer_id=dht.peer_id.to_base58(),
+        )
     return dht
 
 
@@ -141,10 +177,20 @@ class Swarm:
         self.run_id = run_id
         self.device = device
         self.heartbeat_s, self.record_ttl_s = cfg.heartbeat_s, cfg.record_ttl_s
-        validators = progress_validators(run_id)
-        self._public_key = validators[-1].local_public_key
-        self.dht = create_dht(cfg, record_validators=validators)
+        with tempfile.TemporaryDirectory(prefix="p2ptrain-identity-") as tmp:
+            identity_file, signer, fresh = _identity(cfg.identity_path, Path(tmp))
+            validators = progress_validators(run_id, cfg.record_ttl_s, signer)
+            self._public_key = validators[-1].local_public_key
+            # p2pd reads the identity at start; a temporary one is gone once the DHT is up.
+            self.dht = create_dht(
+                cfg, record_validators=validators, identity_file=identity_file, fresh_identity=fresh
+            )
         self.peer_id = self.dht.peer_id.to_base58()
+        if (
+            peer_id_of(signer.get_public_key()) != self.peer_id
+        ):  # our records would be dropped by every reader
+            stop_dht(self.dht)
+            raise SwarmError("the DHT's peer id is not the one of its identity file")
         self.status = LocalStatus()
         self.split_watch = SplitWatch(cfg.split_warning_s)
         self._subscribers: list[RecordsObserver] = []
@@ -249,17 +295,52 @@ class Swarm:
             stop_dht(self.dht)
 
 
+def _identity(path: Path | None, tmp: Path) -> tuple[Path, RSAPrivateKey, bool]:
+    """This peer's identity file, its key (which signs our records) and whether it is new. Without a
+    configured path, a new identity in ``tmp``."""
+    if path is not None and path.exists():
+        try:
+            return path, load_identity(path), False
+        except SwarmError:
+            raise
+        except Exception as e:  # unreadable, or not a libp2p key file
+            raise SwarmError(f"swarm.identity_path {path}: not a usable identity file ({e})") from None
+    target = path if path is not None else tmp / "identity.key"
+    try:
+        return target, create_identity(target), True
+    except OSError as e:
+        raise SwarmError(f"swarm.identity_path {target}: cannot create it ({e.strerror or e})") from None
+
+
 def progress_key(run_id: str) -> str:
     return f"{run_id}_progress"
 
 
-def progress_validators(run_id: str) -> list:
+class _ExpiryCap(RecordValidatorBase):
+    """Refuses a progress record that asks to be kept longer than ``max_ttl_s`` from now: a peer that
+    stops refreshing its record must be gone soon, whatever it asked for."""
+
+    def __init__(self, run_id: str, max_ttl_s: float):
+        self._key = DHTID.generate(source=progress_key(run_id)).to_bytes()
+        self.max_ttl_s = max_ttl_s
+
+    def validate(self, record: DHTRecord) -> bool:
+        return record.key != self._key or record.expiration_time <= get_dht_time() + self.max_ttl_s
+
+
+def progress_validators(run_id: str, record_ttl_s: float, signer: RSAPrivateKey | None = None) -> list:
     """The DHT record validators of a run: schema-checked, and signed by the peer that owns the subkey.
 
     Every node that stores records of the run should use them (peers, the bootstrap node, status readers),
-    so that malformed or forged records are refused. The signer (last) holds a fresh key of this process.
+    so that malformed or forged records are refused. The signer (last) signs our own records: a peer's
+    identity key, so that readers can check a record's peer id against it; a reader that publishes
+    nothing passes none.
     """
-    return [SchemaValidator(_ProgressSchema, prefix=run_id), RSASignatureValidator(RSAPrivateKey())]
+    return [
+        SchemaValidator(_ProgressSchema, prefix=run_id),
+        _ExpiryCap(run_id, max_ttl_s=2 * record_ttl_s),
+        RSASignatureValidator(signer if signer is not None else RSAPrivateKey()),
+    ]
 
 
 def live_records(dht: hivemind.DHT, run_id: str) -> dict[str, ProgressRecord]:
@@ -272,12 +353,12 @@ def records_from_dht_value(found: Any) -> dict[str, ProgressRecord]:
     records: dict[str, ProgressRecord] = {}
     if found is None or not isinstance(found.value, dict):
         return records
-    for item in found.value.values():
+    for subkey, item in found.value.items():
         try:
             record = ProgressRecord.parse_obj(item.value)
         except Exception:  # the schema validator already rejects bad records; skip any leftovers
             continue
-        previous = records.get(record.peer_id)
-        if previous is None or record.time > previous.time:
+        # A record speaks for its signer only: one per identity, and nobody can publish in another's name.
+        if record.peer_id == peer_id_of_owner(subkey):
             records[record.peer_id] = record
     return records

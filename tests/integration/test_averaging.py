@@ -16,7 +16,7 @@ from p2ptrain.averaging import ExactAllReduceRunner, ExactAverager, SwarmAverage
 from p2ptrain.compression import make_codec
 from p2ptrain.config import AveragingConfig, SwarmConfig
 from p2ptrain.diloco import AveragingFailed, Snapshot
-from p2ptrain.swarm import create_dht
+from p2ptrain.swarm import Swarm
 from p2ptrain.transfer import check_state, donation
 
 pytestmark = pytest.mark.integration
@@ -67,10 +67,17 @@ def swarm_of():
     made = []
 
     def make(n: int, *, classes=(), state_providers=(), **cfg):
-        first = create_dht(SwarmConfig(host_maddrs=LOOPBACK))
-        dhts = [first]
-        maddrs = [str(a) for a in first.get_visible_maddrs()]
-        dhts += [create_dht(SwarmConfig(initial_peers=maddrs, host_maddrs=LOOPBACK)) for _ in range(n - 1)]
+        # Real boards: the averagers admit only peers with a progress record of the run.
+        first = Swarm("t", SwarmConfig(host_maddrs=LOOPBACK), device="cpu")
+        boards = [first]
+        made.append(first)
+        maddrs = first.visible_maddrs()
+        for _ in range(n - 1):
+            boards.append(Swarm("t", SwarmConfig(initial_peers=maddrs, host_maddrs=LOOPBACK), device="cpu"))
+            made.append(boards[-1])
+        for board in boards:
+            board.publish()
+        dhts = [board.dht for board in boards]
         cfg = {"matchmaking_time_s": 2.0, "request_timeout_s": 1.0, "matchmaking_timeout_s": 4.0, **cfg}
         config = AveragingConfig(retries=0, target_group_size=n, **cfg)
         averagers = [
@@ -87,7 +94,7 @@ def swarm_of():
             )
             for i, d in enumerate(dhts)
         ]
-        made.extend(averagers + dhts)
+        made[:0] = averagers
         return averagers
 
     yield make
