@@ -12,6 +12,11 @@ Three changes to hivemind 1.1.12's averager, each for a reason:
   (retry, or apply its own pseudo-gradient) with its own copy, never with a half-averaged one.
 * **One group per round.** The round number is the matchmaking key's group bits, so peers of
   different rounds can never be matched.
+* **Nothing a groupmate sends is trusted.** A reducer takes a part only if it decodes to exactly the
+  expected shape, is float32 and finite, and comes with a weight in (0, ``max_weight``]; a reducer's
+  answer is checked the same way. A groupmate that sends anything else, or stalls for a whole timeout, is
+  left out (:class:`LeftOut`): the reducers average without it, and the retry of the round neither joins
+  its group nor lets it join ours. Only members of the run may call the averager at all (``_admit``).
 
 It also counts the payload bytes each peer sends and receives, and lets the trainer download the
 swarm's state from a donor of its choosing (the checks on what arrives are in ``transfer.py``).
@@ -21,11 +26,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import math
 import os
 import threading
 import time
 import typing
 from collections.abc import Callable, Sequence
+from enum import Enum
 from typing import Any
 
 import torch
@@ -80,10 +87,14 @@ class ExactAllReduceRunner(AllReduceRunner):
         *,
         tensors: Sequence[torch.Tensor],
         peer_fractions,
+        max_weight: float = math.inf,
+        on_fault: Callable[[PeerID, Fault, str], None] | None = None,
         on_part_served: Callable[[], None] | None = None,
         **kwargs,
     ):
         self._on_part_served = on_part_served
+        self.max_weight = max_weight
+        self._on_fault = on_fault
         container_kwargs = {
             k: kwargs[k]
             for k in ("compression", "part_size_bytes", "tensor_infos", "prefetch")
@@ -97,10 +108,15 @@ class ExactAllReduceRunner(AllReduceRunner):
         )
         my_index = self.ordered_peer_ids.index(self.peer_id)
         self._my_part_infos = [info for _, info in self.tensor_part_container._input_parts_by_peer[my_index]]
+        # What each reducer must send back: parts of exactly these shapes (taken before sending consumes them).
+        self._part_shapes_by_peer = [
+            [part.shape for part, _ in parts] for parts in self.tensor_part_container._input_parts_by_peer
+        ]
         self.parts_for_local_averaging = self.tensor_part_container.get_raw_input_parts(my_index)
         self._serialized_averages: dict[int, asyncio.Future] = {}
         self.bytes_sent = 0
         self.bytes_received = 0
+        self.misbehaved: set[PeerID] = set()
 
     async def _serialized_average(self, part_index: int, averaged_part: torch.Tensor):
         """Serialize our averaged part once; every groupmate (and we) get exactly these bytes."""
@@ -137,18 +153,29 @@ class ExactAllReduceRunner(AllReduceRunner):
             if self.should_delay_results(self.peer_id):
                 await done_sending.wait()
 
-            def _deserialize(msg):
+            expected = self._part_shapes_by_peer[peer_index]
+
+            def shape(index: int) -> torch.Size | None:
+                return expected[index] if index < len(expected) else None
+
+            def _deserialize(item):
+                index, msg = item
                 if msg.code != averaging_pb2.AVERAGED_PART:
                     raise AllreduceException(f"{peer_id} sent {averaging_pb2.MessageCode.Name(msg.code)}")
                 self.bytes_received += len(msg.tensor_part.buffer)
-                return deserialize(msg.tensor_part)
+                return _decoded(msg.tensor_part, shape(index))
 
             part_index = 0
             async for averaged in amap_in_executor(
                 _deserialize,
-                aiter_with_timeout(stream, self.reducer_timeout),
+                _numbered(aiter_with_timeout(stream, self.reducer_timeout)),
                 max_prefetch=self.tensor_part_container.prefetch,
             ):
+                # A reducer's answer is checked like any input: it becomes our params.
+                problem = part_problem(averaged, shape(part_index))
+                if problem is not None:
+                    self._fault(peer_id, Fault.MISBEHAVED, f"as a reducer, its part {part_index}: {problem}")
+                    raise AllreduceException(f"{peer_id} sent a bad averaged part {part_index}: {problem}")
                 self.tensor_part_container.register_processed_part(peer_index, part_index, averaged)
                 part_index += 1
             if part_index != self.tensor_part_container.num_parts_by_peer[peer_index]:
@@ -156,9 +183,27 @@ class ExactAllReduceRunner(AllReduceRunner):
                     f"peer {peer_id} sent {part_index} parts, expected "
                     f"{self.tensor_part_container.num_parts_by_peer[peer_index]}"
                 )
+        except asyncio.TimeoutError:
+            self._fault(peer_id, Fault.STALLED, f"as a reducer, silent for {self.reducer_timeout:.0f}s")
+            self.tensor_part_container.register_failed_reducer(peer_index)
+            raise
         except BaseException:
             self.tensor_part_container.register_failed_reducer(peer_index)
             raise
+
+    def _fault(self, peer_id: PeerID, fault: Fault, reason: str) -> None:
+        if fault == Fault.MISBEHAVED:
+            self.misbehaved.add(peer_id)
+        if self._on_fault is not None:
+            self._on_fault(peer_id, fault, reason)
+
+    async def _handle_missing_senders(self):
+        """A groupmate that never starts sending within the timeout is left out of this all-reduce (by
+        hivemind) and reported as stalled (here)."""
+        await super()._handle_missing_senders()
+        for peer_id in self.sender_peer_ids:
+            if peer_id not in self.active_senders and peer_id in self.banned_senders:
+                self._fault(peer_id, Fault.STALLED, f"as a sender, silent for {self.sender_timeout:.0f}s")
 
     async def _generate_input_for_peer(self, peer_index: int):
         async for msg in super()._generate_input_for_peer(peer_index):
@@ -167,12 +212,21 @@ class ExactAllReduceRunner(AllReduceRunner):
 
     async def _accumulate_parts_streaming(self, stream, sender_index: int):
         part_index = 0
+        sender = self.sender_peer_ids[sender_index]
         try:
             async for tensor_part, weight in amap_in_executor(
-                lambda msg: (self._count_received(msg), msg.weight),
-                stream,
+                lambda item: (self._count_received(*item), item[1].weight),
+                _numbered(stream),
                 max_prefetch=self.tensor_part_container.prefetch,
             ):
+                # What a groupmate sends is never trusted: a bad part leaves it out of this all-reduce (the
+                # finally below bans it, and the reducer averages the others' parts without it).
+                problem = part_problem(tensor_part, self._reducer_shape(part_index))
+                if problem is None and not (math.isfinite(weight) and 0 < weight <= self.max_weight):
+                    problem = f"weight {weight!r} is not in (0, {self.max_weight:g}]"
+                if problem is not None:
+                    self._fault(sender, Fault.MISBEHAVED, f"as a sender, its part {part_index}: {problem}")
+                    break
                 try:
                     averaged_part = await self.tensor_part_reducer.accumulate_part(
                         sender_index, part_index, tensor_part, weight=weight
@@ -186,13 +240,98 @@ class ExactAllReduceRunner(AllReduceRunner):
                 yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=serialized)
                 if self._on_part_served is not None:
                     self._on_part_served()
+        except asyncio.TimeoutError:
+            self._fault(sender, Fault.STALLED, f"as a sender, silent for {self.sender_timeout:.0f}s")
+            raise
         finally:
             if part_index != self.tensor_part_reducer.num_parts:
-                await self._ban_sender(self.sender_peer_ids[sender_index])
+                await self._ban_sender(sender)
 
-    def _count_received(self, msg) -> torch.Tensor:
+    def _count_received(self, index: int, msg) -> torch.Tensor | None:
         self.bytes_received += len(msg.tensor_part.buffer)
-        return deserialize(msg.tensor_part)
+        return _decoded(msg.tensor_part, self._reducer_shape(index))
+
+    def _reducer_shape(self, index: int) -> torch.Size | None:
+        shapes = self.tensor_part_reducer.part_shapes
+        return shapes[index] if index < len(shapes) else None
+
+
+class Fault(str, Enum):
+    """What a groupmate did wrong in an all-reduce."""
+
+    MISBEHAVED = "misbehaved"
+    """Sent something no honest peer sends: a part that does not decode, of the wrong shape, not finite, or
+    a weight out of bounds. Left out for the rest of the run."""
+    STALLED = "stalled"
+    """Sent nothing for a whole timeout, while connected. Left out for a number of rounds that doubles with
+    each stall (an honest peer stalls rarely; one that stalls on purpose soon costs nothing)."""
+
+
+def _decoded(part, shape: torch.Size | None) -> torch.Tensor | None:
+    """A serialized tensor part that should have ``shape``, or None if it claims another shape (checked before
+    decoding, so that a claimed size cannot make us allocate) or does not decode (garbage from a groupmate)."""
+    if shape is None or tuple(part.size) != tuple(shape):
+        return None
+    try:
+        return deserialize(part)
+    except Exception:  # any malformed buffer or dtype: the caller reports it as misbehaviour
+        return None
+
+
+async def _numbered(stream):
+    """(index, message) for each message of a stream, counted in the event loop (decoding runs in threads)."""
+    index = 0
+    async for message in stream:
+        yield index, message
+        index += 1
+
+
+def part_problem(part: torch.Tensor | None, shape: torch.Size | None) -> str | None:
+    """What is wrong with a received tensor part that should have ``shape``, or None if nothing is."""
+    if shape is None:
+        return "one part too many"
+    if part is None:
+        return f"it does not decode to a tensor of shape {tuple(shape)}"
+    if part.shape != shape:  # never broadcast: exact shape
+        return f"shape {tuple(part.shape)}, expected {tuple(shape)}"
+    if part.dtype != torch.float32:
+        return f"dtype {part.dtype}, expected float32"
+    if not bool(torch.isfinite(part).all()):
+        return "non-finite values"
+    return None
+
+
+class LeftOut:
+    """The groupmates this peer does not average with, and until which round: a pure record of faults.
+
+    A peer that misbehaved is left out for the rest of the run. One that stalled is left out of the round it
+    stalled in (so that the retry of that round goes without it), and of twice as many rounds at each
+    further stall: an honest peer that stalls once loses one round with us; a peer that stalls on purpose
+    costs us a timeout at rounds 1, 2, 4, 8, ... of the run, not every round.
+    """
+
+    MAX_STALL_ROUNDS = 1024
+
+    def __init__(self) -> None:
+        self._until: dict[str, float] = {}
+        self._stalls: dict[str, int] = {}
+        self._last_stall: dict[str, int] = {}
+
+    def fault(self, peer: str, fault: Fault, round: int) -> float:
+        """Record a fault of ``peer`` in ``round``; returns the last round it is left out of (inf: all)."""
+        if fault == Fault.MISBEHAVED:
+            until = math.inf
+        elif self._last_stall.get(peer) == round:  # one stall per round, however many parts it held up
+            until = self._until[peer]
+        else:
+            self._last_stall[peer] = round
+            self._stalls[peer] = stalls = self._stalls.get(peer, 0) + 1
+            until = round + min(2 ** (stalls - 1), self.MAX_STALL_ROUNDS) - 1
+        self._until[peer] = max(self._until.get(peer, -1), until)
+        return self._until[peer]
+
+    def excludes(self, peer: str, round: int) -> bool:
+        return round <= self._until.get(peer, -1)
 
 
 class ExactAverager(ParentWatchdog, DecentralizedAverager):
@@ -205,11 +344,19 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
     """
 
     def __init__(
-        self, *args, run_id: str, state_provider: Callable[[], tuple[dict, list[torch.Tensor]]], **kwargs
+        self,
+        *args,
+        run_id: str,
+        state_provider: Callable[[], tuple[dict, list[torch.Tensor]]],
+        max_weight: float = math.inf,
+        **kwargs,
     ):
         self._watched_parent_pid = os.getpid()
         self._state_provider = state_provider
         self._run_id = run_id
+        self._max_weight = max_weight
+        self._left_out = LeftOut()
+        self._round = -1
         self._members: set[str] = set()
         self._members_read_at = -float("inf")
         self._members_lock: asyncio.Lock | None = None
@@ -246,6 +393,8 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
         self, request: averaging_pb2.JoinRequest, context: P2PContext
     ) -> typing.AsyncIterator[averaging_pb2.MessageFromLeader]:  # hivemind reads these: typing's, not abc's
         await self._admit(context.remote_id, "to let it join a group")
+        if self._left_out.excludes(context.remote_id.to_base58(), self._round):
+            raise PermissionError(f"{self.peer_id} left {context.remote_id} out of round {self._round}")
         async for message in super().rpc_join_group(request, context):
             yield message
 
@@ -278,11 +427,52 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
         metadata, tensors = self._state_provider()
         return metadata, tensors, None
 
+    async def _set_group_bits(self, group_bits: str, future: MPFuture):
+        self._round = int(group_bits, 2)  # the round this peer averages in (round_group_bits)
+        await super()._set_group_bits(group_bits, future)
+
+    async def _step(self, *, step, future_for_init):
+        self._guard_matchmaking()
+        return await super()._step(step=step, future_for_init=future_for_init)
+
+    def _guard_matchmaking(self) -> None:
+        """Never ask a peer we left out to lead our group (hivemind's matchmaking is made inside its run loop,
+        so its join request is wrapped here, once)."""
+        matchmaking = self._matchmaking
+        if getattr(matchmaking, "_guarded", False):
+            return
+        ask = matchmaking._request_join_group
+
+        async def ask_unless_left_out(leader: PeerID):
+            if self._left_out.excludes(leader.to_base58(), self._round):
+                return None
+            return await ask(leader)
+
+        matchmaking._request_join_group = ask_unless_left_out
+        matchmaking._guarded = True
+
+    def _on_fault(self, peer: PeerID, fault: Fault, reason: str) -> None:
+        until = self._left_out.fault(peer.to_base58(), fault, self._round)
+        log.warning(
+            "left a groupmate out",
+            peer=peer.to_base58(),
+            fault=fault.value,
+            reason=reason,
+            round=self._round,
+            until_round="the end of the run" if until == math.inf else int(until),
+        )
+
     async def _aggregate_with_group(self, group_info, min_vector_size: int, **kwargs):
-        self._last_bytes = (0, 0)
+        self._last_bytes = (0, 0, [])
+        # A group that another leader formed may hold a peer we left out: never average with it.
+        excluded = [p for p in group_info.peer_ids if self._left_out.excludes(p.to_base58(), self._round)]
+        if excluded:
+            raise AllreduceException(
+                f"the group holds {excluded[0]}, whom we left out of round {self._round}"
+            )
         gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
-        sent, received = self._last_bytes
-        return {"gathered": gathered, "bytes_sent": sent, "bytes_received": received}
+        sent, received, left_out = self._last_bytes
+        return {"gathered": gathered, "bytes_sent": sent, "bytes_received": received, "left_out": left_out}
 
     async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs):
         group_id = group_info.group_id if group_id is None else group_id
@@ -303,15 +493,24 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
             return
         async for tensor, averaged in azip(as_aiter(*tensors), runner):
             tensor.copy_(averaged)
-        self._last_bytes = (runner.bytes_sent, runner.bytes_received)
+        # Senders our reducer left out (they stalled, or sent nothing we could use): not in this average.
+        left_out = sorted(p.to_base58() for p in runner.banned_senders)
+        self._last_bytes = (runner.bytes_sent, runner.bytes_received, left_out)
         if runner.tensor_part_container.failed_size:
             raise AllreduceException(
                 f"a reducer left mid-way; {runner.tensor_part_container.failed_size} values were not averaged"
             )
+        if runner.misbehaved:
+            # Its parts were left out of our slice, but as a reducer it may have returned anything for its
+            # own slice (a claimed weight of 1e9 gives a finite, well-shaped, poisoned answer): the retry
+            # goes without it.
+            raise AllreduceException(
+                f"{sorted(map(str, runner.misbehaved))[0]} misbehaved: this average is void"
+            )
 
     def _make_runner(self, **kwargs) -> ExactAllReduceRunner:
         """The runner of one all-reduce (tests subclass this to fail at a chosen moment)."""
-        return ExactAllReduceRunner(**kwargs)
+        return ExactAllReduceRunner(max_weight=self._max_weight, on_fault=self._on_fault, **kwargs)
 
     def download_state_from(self, peers: Sequence[str], timeout: float) -> tuple[str, Any, list] | None:
         """Download ``get_current_state`` of the first of ``peers`` (base58 ids) that serves it.
@@ -368,6 +567,8 @@ class SwarmAverager:
         codec: the wire format; the same object error feedback rounds with, so that what it keeps is
             exactly what this averager's wire drops.
         state_provider: what we serve to a newcomer (``transfer.donation``); runs in a thread of this process.
+        max_weight: the most samples one peer can process in a round; a groupmate that claims a larger (or a
+            non-positive, or non-finite) weight is left out.
         stop: set it to cancel an all-reduce in progress.
         averager_cls: tests pass a subclass that fails at a chosen moment.
     """
@@ -382,6 +583,7 @@ class SwarmAverager:
         codec: CompressionBase,
         client_mode: bool,
         state_provider: Callable[[], tuple[dict, list[torch.Tensor]]],
+        max_weight: float = math.inf,
         stop: threading.Event | None = None,
         averager_cls: type[ExactAverager] = ExactAverager,
     ):
@@ -396,6 +598,7 @@ class SwarmAverager:
                 dht,
                 prefix=f"{run_id}_diloco",
                 run_id=run_id,
+                max_weight=max_weight,
                 start=True,
                 state_provider=state_provider,
                 target_group_size=cfg.target_group_size,
@@ -445,12 +648,14 @@ class SwarmAverager:
                 continue
             with self._averager.get_tensors() as buffers:
                 averaged = [b.clone() for b in buffers]
+            peers = sorted(str(g.get("peer", "?"))[:128] for g in infos)
+            contributors = [p for p in peers if p not in out["left_out"]]
             return AverageResult(
                 tensors=averaged,
-                group_size=len(gathered),
+                group_size=len(contributors),
                 bytes_sent=out["bytes_sent"],
                 bytes_received=out["bytes_received"],
-                peers=sorted(str(g.get("peer", "?"))[:128] for g in infos),
+                peers=contributors,
             )
         reason = (
             "no_group"

@@ -103,6 +103,8 @@ def connect_hivemind(
             codec=codec,
             client_mode=cfg.swarm.client_mode,
             state_provider=state_provider,
+            # The most samples a peer can have processed in one round: a larger claimed weight is a lie.
+            max_weight=cfg.inner.num_inner_steps * cfg.inner.batch_size,
             stop=stop,
         )
     except BaseException:

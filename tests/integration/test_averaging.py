@@ -3,6 +3,7 @@ with averagers that fail at a chosen moment: what hivemind really does when a gr
 
 from __future__ import annotations
 
+import asyncio
 import os
 import threading
 import typing
@@ -59,14 +60,30 @@ class DiesAfterTheFirstChunk(ExactAverager):
             os._exit(1)
 
 
-DiesAfterServingOnePart.__name__ = DiesAfterTheFirstChunk.__name__ = ExactAverager.__name__
+class NeverSends(ExactAllReduceRunner):
+    """Joins the group, then sends nothing and answers nothing, while staying connected."""
+
+    async def _communicate_with_peer(self, peer_id):
+        await asyncio.sleep(3600)
+
+    async def rpc_aggregate_part(self, stream, context):
+        await asyncio.sleep(3600)
+        yield averaging_pb2.AveragingData()
+
+
+class Staller(ExactAverager):
+    def _make_runner(self, **kwargs) -> ExactAllReduceRunner:
+        return NeverSends(**kwargs)
+
+
+DiesAfterServingOnePart.__name__ = DiesAfterTheFirstChunk.__name__ = Staller.__name__ = ExactAverager.__name__
 
 
 @pytest.fixture
 def swarm_of():
     made = []
 
-    def make(n: int, *, classes=(), state_providers=(), **cfg):
+    def make(n: int, *, classes=(), state_providers=(), shapes=SHAPES, **cfg):
         # Real boards: the averagers admit only peers with a progress record of the run.
         first = Swarm("t", SwarmConfig(host_maddrs=LOOPBACK), device="cpu")
         boards = [first]
@@ -78,17 +95,25 @@ def swarm_of():
         for board in boards:
             board.publish()
         dhts = [board.dht for board in boards]
-        cfg = {"matchmaking_time_s": 2.0, "request_timeout_s": 1.0, "matchmaking_timeout_s": 4.0, **cfg}
-        config = AveragingConfig(retries=0, target_group_size=n, **cfg)
+        cfg = {
+            "matchmaking_time_s": 2.0,
+            "request_timeout_s": 1.0,
+            "matchmaking_timeout_s": 4.0,
+            "retries": 0,
+            "target_group_size": n,
+            **cfg,
+        }
+        config = AveragingConfig(**cfg)
         averagers = [
             SwarmAverager(
                 d,
                 run_id="t",
-                shapes=SHAPES,
+                shapes=shapes,
                 cfg=config,
                 codec=make_codec(config.compression),
                 client_mode=False,
                 state_provider=(list(state_providers) + [lambda: ({}, [])] * n)[i],
+                max_weight=10.0,
                 stop=threading.Event(),
                 averager_cls=(list(classes) + [ExactAverager] * n)[i],
             )
@@ -222,3 +247,60 @@ def test_a_donor_that_dies_mid_transfer_hands_over_a_state_the_checksum_refuses(
     got = newcomer.download_state([good._averager.peer_id.to_base58()], timeout=20)
     assert got is not None and check_state(got[1], got[2], **check) is None
     assert all(torch.equal(a, b) for a, b in zip(got[2], snapshot.params + snapshot.momentum))
+
+
+@pytest.mark.parametrize(
+    "attack",
+    ["nan", "huge_weight", "zero_weight"],
+)
+def test_a_groupmate_that_sends_poison_is_left_out_and_the_round_is_averaged_without_it(swarm_of, attack):
+    """An insider in the group sends NaN, or claims a weight far beyond what it can have processed (its own
+    slice, as a reducer, then comes back finite and well shaped, but dominated by it): the honest members
+    refuse its parts, void the attempt, and average the same round again without it, bit-identically."""
+    # Large enough that every member reduces a part (hivemind gives a small vector to fewer reducers).
+    shapes = [torch.Size([300_000]), torch.Size([7, 3])]
+    honest_a, honest_b, hostile = swarm_of(3, compression="none", retries=1, shapes=shapes)
+    torch.manual_seed(0)
+    xs = [[torch.randn(s) for s in shapes] for _ in range(3)]
+    bad_x = [torch.full_like(t, float("nan")) for t in xs[2]] if attack == "nan" else xs[2]
+    bad_weight = {"nan": 1.0, "huge_weight": 1e9, "zero_weight": 0.0}[attack]
+    results = run_parallel(
+        [
+            lambda: honest_a.average(xs[0], weight=1.0, round=3),
+            lambda: honest_b.average(xs[1], weight=3.0, round=3),
+            lambda: hostile.average(bad_x, weight=bad_weight, round=3),
+        ]
+    )
+    a, b, _ = results
+    for r in (a, b):
+        assert not isinstance(r, Exception), r
+        assert r.group_size == 2 and hostile.peer_id not in r.peers
+    for k in range(len(shapes)):
+        assert torch.equal(a.tensors[k], b.tensors[k])
+        torch.testing.assert_close(a.tensors[k], (1.0 * xs[0][k] + 3.0 * xs[1][k]) / 4.0)
+
+
+def test_a_groupmate_that_stalls_costs_one_timeout_and_the_round_is_averaged_without_it(swarm_of):
+    shapes = [torch.Size([300_000])]
+    honest_a, honest_b, staller = swarm_of(
+        3,
+        classes=[ExactAverager, ExactAverager, Staller],
+        retries=1,
+        next_chunk_timeout_s=3.0,
+        allreduce_timeout_s=10.0,
+        compression="none",
+        shapes=shapes,
+    )
+    xs = [[torch.randn(s) for s in shapes] for _ in range(3)]
+    a, b, _ = run_parallel(
+        [
+            lambda: honest_a.average(xs[0], weight=1.0, round=5),
+            lambda: honest_b.average(xs[1], weight=1.0, round=5),
+            lambda: staller.average(xs[2], weight=1.0, round=5),
+        ]
+    )
+    for r in (a, b):
+        assert not isinstance(r, Exception), r
+        assert r.group_size == 2 and staller.peer_id not in r.peers
+    assert torch.equal(a.tensors[0], b.tensors[0])
+    torch.testing.assert_close(a.tensors[0], (xs[0][0] + xs[1][0]) / 2)
