@@ -463,7 +463,7 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
         )
 
     async def _aggregate_with_group(self, group_info, min_vector_size: int, **kwargs):
-        self._last_bytes = (0, 0, [])
+        self._last_bytes: tuple[int, int, list[str]] = (0, 0, [])
         # A group that another leader formed may hold a peer we left out: never average with it.
         excluded = [p for p in group_info.peer_ids if self._left_out.excludes(p.to_base58(), self._round)]
         if excluded:
