@@ -42,6 +42,7 @@ bench: $(STAMP)
 	$(BIN)/python -m bench.quality
 	$(BIN)/python -m bench.compression
 	$(BIN)/python -m bench.churn
+	$(BIN)/python -m bench.attacks
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

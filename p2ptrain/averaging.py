@@ -55,7 +55,7 @@ from hivemind.utils.asyncio import (
 from p2ptrain.compression import deserialize
 from p2ptrain.config import AveragingConfig
 from p2ptrain.diloco import AverageResult, AveragingFailed
-from p2ptrain.logs import get_logger, unbind
+from p2ptrain.logs import bind, get_logger, unbind
 from p2ptrain.membership import Throttle
 from p2ptrain.procs import ParentWatchdog, keep_sigint_handler
 from p2ptrain.records import live
@@ -263,8 +263,8 @@ class Fault(str, Enum):
     """Sent something no honest peer sends: a part that does not decode, of the wrong shape, not finite, or
     a weight out of bounds. Left out for the rest of the run."""
     STALLED = "stalled"
-    """Sent nothing for a whole timeout, while connected. Left out for a number of rounds that doubles with
-    each stall (an honest peer stalls rarely; one that stalls on purpose soon costs nothing)."""
+    """Sent nothing for a whole timeout, while connected. Left out for 16 rounds, doubling with each stall
+    (an honest peer stalls rarely; one that stalls on purpose soon costs nothing)."""
 
 
 def _decoded(part, shape: torch.Size | None) -> torch.Tensor | None:
@@ -304,12 +304,14 @@ def part_problem(part: torch.Tensor | None, shape: torch.Size | None) -> str | N
 class LeftOut:
     """The groupmates this peer does not average with, and until which round: a pure record of faults.
 
-    A peer that misbehaved is left out for the rest of the run. One that stalled is left out of the round it
-    stalled in (so that the retry of that round goes without it), and of twice as many rounds at each
-    further stall: an honest peer that stalls once loses one round with us; a peer that stalls on purpose
-    costs us a timeout at rounds 1, 2, 4, 8, ... of the run, not every round.
+    A peer that misbehaved is left out for the rest of the run. One that stalled (sent nothing for a whole
+    timeout while connected) is left out of the round it stalled in, so that the retry of that round goes
+    without it, and of the next ``STALL_ROUNDS - 1`` rounds, twice as many at each further stall: a peer
+    that stalls on purpose costs us one timeout per 16 rounds at most, then fewer; an honest peer whose
+    machine hung once trains on (rebasing onto the swarm's params) and averages with us again 16 rounds later.
     """
 
+    STALL_ROUNDS = 16
     MAX_STALL_ROUNDS = 1024
 
     def __init__(self) -> None:
@@ -326,7 +328,7 @@ class LeftOut:
         else:
             self._last_stall[peer] = round
             self._stalls[peer] = stalls = self._stalls.get(peer, 0) + 1
-            until = round + min(2 ** (stalls - 1), self.MAX_STALL_ROUNDS) - 1
+            until = round + min(self.STALL_ROUNDS * 2 ** (stalls - 1), self.MAX_STALL_ROUNDS) - 1
         self._until[peer] = max(self._until.get(peer, -1), until)
         return self._until[peer]
 
@@ -420,6 +422,9 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
         # time us out. Replace it here, once, before any worker thread exists.
         torch.set_num_threads(torch.get_num_threads())
         unbind("round")  # inherited at fork time; this process does not follow the trainer's rounds
+        bind(
+            peer_id=self.peer_id.to_base58()[-8:]
+        )  # forked before the trainer bound it: say whose lines these are
         super().run()
 
     def get_current_state(self):

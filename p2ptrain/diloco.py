@@ -69,6 +69,8 @@ class OuterStepReport:
     """Why the peer fell back to its own pseudo-gradient or skipped the step, if it did."""
     bytes_sent: int = 0
     bytes_received: int = 0
+    peers: list[str] = field(default_factory=list)
+    """The group's peer ids, when it averaged with one."""
 
 
 @dataclass
@@ -192,6 +194,7 @@ class DiLoCo:
             applied=True,
             bytes_sent=result.bytes_sent,
             bytes_received=result.bytes_received,
+            peers=list(result.peers),
         )
 
     def check_average(self, tensors: Sequence[torch.Tensor]) -> str | None:

@@ -34,6 +34,7 @@ The rules, in the order a round meets them (docs/architecture.md has them in one
 from __future__ import annotations
 
 import threading
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
@@ -56,6 +57,30 @@ class Me:
     @property
     def vote(self) -> Vote:
         return Vote(self.params_hash, self.last_group_size)
+
+
+# ------------------------------------------------------------------------------------------ credibility
+
+
+def credible(others: Records, my_round: int) -> dict[str, ProgressRecord]:
+    """The records to believe: a claim to hold params of a round ahead of ours counts only if two peers
+    report that round with the same params hash, or fewer than two other peers hold params at all.
+
+    Records are bound to identities, so this takes two identities, not one record: a single peer cannot make
+    the swarm think it is behind, wait for it, or load its params, by claiming a later round. An honest peer
+    that is alone ahead (it got the average when its groupmates did not) is then not followed; its
+    groupmates go on (retry, or step alone) and the canonical-params vote of the next round puts everyone on
+    one set of params. Peers that are loading hold no params, so restarted peers do not outvote the one
+    peer ahead of them.
+    """
+    holders = [r for r in others.values() if r.holds_params]
+    quorum = min(2, len(holders))
+    votes = Counter((r.round, r.params_hash) for r in holders)
+    return {
+        pid: r
+        for pid, r in others.items()
+        if not (r.holds_params and r.round > my_round) or votes[(r.round, r.params_hash)] >= quorum
+    }
 
 
 # ----------------------------------------------------------------------------------------- catching up
@@ -143,9 +168,13 @@ class SwarmMemory:
         """Since when we have been behind without getting the newer state (see :func:`behind`)."""
         self._final_votes: dict[str, Vote] = {}
         self._ignored: set[str] = set()
+        self._waited_out: set[str] = set()
         self._lock = threading.Lock()
 
-    def observe(self, records: Records) -> None:
+    def observe(self, records: Records, my_round: int | None = None) -> None:
+        """Remember what other peers' records show (only what is :func:`credible` at ``my_round``)."""
+        if my_round is not None:
+            records = credible(records, my_round)
         with self._lock:
             for r in records.values():
                 if not r.params_hash or r.state == PeerState.LOADING:
@@ -161,6 +190,19 @@ class SwarmMemory:
         with self._lock:
             return list(self._final_votes.values())
 
+    def waited_out(self) -> set[str]:
+        """Peers a barrier waited a whole timeout for, that we have not averaged with since."""
+        with self._lock:
+            return set(self._waited_out)
+
+    def waited_out_on(self, peers: Iterable[str]) -> None:
+        with self._lock:
+            self._waited_out |= set(peers)
+
+    def averaged_with(self, peers: Iterable[str]) -> None:
+        with self._lock:
+            self._waited_out -= set(peers)
+
     def give_up_on(self, peers: Iterable[str], my_round: int) -> None:
         """We could not get the newer state these peers hold: go on from ours, and stop counting them as
         ahead (until they are no longer ahead of us)."""
@@ -170,10 +212,12 @@ class SwarmMemory:
             self.behind_since = None
 
     def visible(self, others: Records, my_round: int) -> dict[str, ProgressRecord]:
-        """The records that decisions look at: without the peers ahead of us that we gave up on."""
+        """The records that decisions look at: the :func:`credible` ones, without the peers ahead of us that we
+        gave up on."""
         with self._lock:
             self._ignored -= {pid for pid, r in others.items() if r.round <= my_round}
-            return {pid: r for pid, r in others.items() if pid not in self._ignored}
+            kept = {pid: r for pid, r in others.items() if pid not in self._ignored}
+        return credible(kept, my_round)
 
     def to_dict(self) -> dict:
         with self._lock:
@@ -307,7 +351,14 @@ class Barrier:
 
 
 def barrier(
-    me: Me, others: Records, *, now: float, deadline: float, swarm_finished: bool = False, num_rounds: int = 0
+    me: Me,
+    others: Records,
+    *,
+    now: float,
+    deadline: float,
+    swarm_finished: bool = False,
+    num_rounds: int = 0,
+    not_waited: Iterable[str] = (),
 ) -> Barrier:
     """The barrier after our inner phase: go, wait, or give up the round as stale.
 
@@ -320,6 +371,10 @@ def barrier(
 
     A swarm that finished the run (``swarm_finished``, seen by this peer at any time) makes a round before
     ``num_rounds`` stale even if the peers that finished are gone: their final model exists.
+
+    ``not_waited``: peers we already waited a whole timeout for and have not averaged with since
+    (:meth:`SwarmMemory.waited_out`): they join the group if they are ready, but nobody waits for them
+    again, so a record that never gets ready (a hung peer, or a hostile one) costs the swarm one timeout.
     """
     if _past(me, others) or (swarm_finished and me.round < num_rounds):
         return Barrier(BarrierState.STALE)
@@ -327,8 +382,11 @@ def barrier(
     same = [r for r in others.values() if r.round == me.round and r.state in coming]
     behind = [r for r in others.values() if r.round == me.round - 1 and r.state in coming]
     ready = sorted((r for r in same if r.state == PeerState.AVERAGING), key=lambda r: r.peer_id)
+    skip = set(not_waited)
     waiting = sorted(
-        [r.peer_id for r in same if r.state != PeerState.AVERAGING] + [r.peer_id for r in behind]
+        pid
+        for pid in [r.peer_id for r in same if r.state != PeerState.AVERAGING] + [r.peer_id for r in behind]
+        if pid not in skip
     )
     if not waiting:
         return Barrier(BarrierState.GO, ready)

@@ -24,7 +24,7 @@ from p2ptrain import checkpoint, protocol, telemetry
 from p2ptrain.compression import ErrorFeedback, codec_for
 from p2ptrain.config import ExperimentConfig
 from p2ptrain.data import Corpus, load_corpus
-from p2ptrain.diloco import DiLoCo, OuterStepReport
+from p2ptrain.diloco import DiLoCo, OuterStepReport, tensors_hash
 from p2ptrain.evaluation import evaluate
 from p2ptrain.inner import inner_lr, inner_step, make_optimizer, pick_device
 from p2ptrain.link import Connect, Link, connect_hivemind
@@ -282,7 +282,9 @@ class Trainer:
                     self.board.update(state=PeerState.LOADING)
                 plan = decision.plan
                 if decision.state == BehindState.LOAD and plan:
-                    if self.load_state(plan.donors, why="catch_up", min_round=plan.round):
+                    if self.load_state(
+                        plan.donors, why="catch_up", expect=plan.params_hash, min_round=plan.round
+                    ):
                         continue  # the swarm may have moved on meanwhile: look again
                 else:
                     waiting.update(
@@ -368,6 +370,7 @@ class Trainer:
                     deadline=deadline,
                     swarm_finished=self.memory.swarm_finished,
                     num_rounds=self.cfg.outer.num_rounds,
+                    not_waited=self.memory.waited_out(),
                 )
                 if decision.state == BarrierState.STALE:
                     self.log.info(
@@ -386,6 +389,7 @@ class Trainer:
                 if self.stop.wait(self._poll_s):
                     return None  # stopping: leave the round unfinished rather than step alone
         if decision.timed_out:
+            self.memory.waited_out_on(decision.waiting_for)  # not waited for again until we average together
             self.log.warning(
                 "barrier timeout: averaging without slow peers",
                 round=self.round,
@@ -395,7 +399,8 @@ class Trainer:
         donors = protocol.rebase_donors(self.me(), decision.ready)
         if donors is not None:
             self.log.warning("params differ from the swarm's; rebasing onto them", round=self.round)
-            self.load_state(donors, why="rebase", rebase=True, round=self.round)
+            canon = next(r.params_hash for r in decision.ready if r.peer_id in donors)
+            self.load_state(donors, why="rebase", expect=canon, rebase=True, round=self.round)
         return decision.ready
 
     def outer_sync(self, group: list[ProgressRecord], stats: RoundStats) -> OuterStepReport:
@@ -415,6 +420,7 @@ class Trainer:
         if report.applied:
             self.rounds_applied.append(round_)
             self.last_group_size = report.group_size
+            self.memory.averaged_with(report.peers)
         self.board.update(
             round=self.round,
             state=PeerState.TRAINING,
@@ -496,7 +502,8 @@ class Trainer:
                 donors = [d for d in decision.donors if d not in self.backoff.resting(time.monotonic())]
                 if donors:
                     self.log.warning("final params differ from the swarm's; adopting them", round=self.round)
-                if donors and self.load_state(donors, why="adopt", round=self.round):
+                final = protocol.final_params_hash(self.me(), self.memory) or ""
+                if donors and self.load_state(donors, why="adopt", expect=final, round=self.round):
                     self.save(Outcome.FINAL)
                     self.board.update(params_hash=self.diloco.params_hash())
                     continue
@@ -572,6 +579,7 @@ class Trainer:
         donors: Sequence[str],
         *,
         why: str,
+        expect: str,
         rebase: bool = False,
         round: int | None = None,
         min_round: int = 0,
@@ -581,13 +589,15 @@ class Trainer:
         Args:
             donors: peer ids to try, in order.
             why: catch_up, rebase or adopt (logged, and kept in ``self.loads``).
+            expect: the params hash the swarm's peers report for that state (:func:`protocol.credible`
+                records): a donor that serves other params is refused, whatever its checksum says.
             rebase: keep our inner progress (our pseudo-gradient) on top of the new params; otherwise the
                 model restarts from the downloaded params.
             round: accept only a state of this round; min_round: of this round or later.
         """
         for donor in donors:
             delta = self.diloco.pseudo_gradient() if rebase else None
-            problem = self._adopt_state_of(donor, round=round, min_round=min_round)
+            problem = self._adopt_state_of(donor, expect=expect, round=round, min_round=min_round)
             if problem is not None:
                 self.log.warning("refused a state", donor=donor[-8:], reason=problem)
                 self.backoff.failed(donor, time.monotonic())
@@ -611,7 +621,7 @@ class Trainer:
             return True
         return False
 
-    def _adopt_state_of(self, donor: str, *, round: int | None, min_round: int) -> str | None:
+    def _adopt_state_of(self, donor: str, *, expect: str, round: int | None, min_round: int) -> str | None:
         """Download ``donor``'s state, check it and load it into DiLoCo; None, or why it was refused."""
         got = fetch_state(
             self.averager,
@@ -625,6 +635,14 @@ class Trainer:
         if isinstance(got, str):
             return got
         meta, tensors = got
+        served = tensors_hash(tensors[: len(self.diloco.master)])
+        # The donor may have moved on since we chose it: its newer state is fine if the swarm vouches for it.
+        vouched = served == expect or any(
+            r.holds_params and r.round == meta["round"] and r.params_hash == served
+            for r in self._visible().values()
+        )
+        if not vouched:
+            return f"its params hash {served} is not what the swarm's peers report ({expect or 'none'})"
         try:
             self.diloco.load_state_tensors(tensors, round=meta["round"])
         except ValueError as e:  # shapes or values that do not fit this model
@@ -672,7 +690,7 @@ class Trainer:
 
     def _remember(self, records: dict[str, ProgressRecord]) -> None:
         """Fed every reading of the records, the heartbeat's too: the swarm's progress is noticed while we train."""
-        self.memory.observe({pid: r for pid, r in records.items() if pid != self.peer_id})
+        self.memory.observe({pid: r for pid, r in records.items() if pid != self.peer_id}, self.round)
 
     @property
     def _poll_s(self) -> float:

@@ -286,6 +286,8 @@ class MemorySwarm:
     def __init__(self, injector: Injector | None = None):
         self.injector = injector or Injector()
         self._store: dict[str, tuple[ProgressRecord, float]] = {}
+        self._forged_states: dict[str, tuple[Any, list[torch.Tensor]]] = {}
+        self.forged_downloads = 0
         self._peers: dict[str, _Peer] = {}
         self._groups: dict[int, _Group] = {}
         self._lock = threading.Condition()
@@ -296,6 +298,16 @@ class MemorySwarm:
             if peer.dead.is_set() or (peer.gone.is_set() and peer.status["state"] != PeerState.LEFT):
                 return
             self._store[peer.peer_id] = (peer.record(), time.monotonic() + peer.cfg.swarm.record_ttl_s)
+
+    def forge(
+        self, record: ProgressRecord, ttl_s: float, state: tuple[Any, list[torch.Tensor]] | None = None
+    ) -> None:
+        """A hostile identity's record (and the state it serves to whoever asks it), as an insider can publish
+        them: under its own identity only, since records are bound to their signer."""
+        with self._lock:
+            self._store[record.peer_id] = (record, time.monotonic() + ttl_s)
+            if state is not None:
+                self._forged_states[record.peer_id] = state
 
     def read(self) -> dict[str, ProgressRecord]:
         now = time.monotonic()
@@ -390,6 +402,9 @@ class MemorySwarm:
 
     # --- state transfer
     def donate(self, donor_id: str) -> tuple[Any, list[torch.Tensor]] | None:
+        if donor_id in self._forged_states:
+            self.forged_downloads += 1
+            return self._forged_states[donor_id]
         donor = self._peers.get(donor_id)
         if donor is None or donor.gone.is_set() or donor.name in self.injector.refuse_donations:
             return None

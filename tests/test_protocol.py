@@ -33,6 +33,44 @@ def me(round=3, h="aa", group=2):
     return Me("me", round, h, group)
 
 
+# --- credibility
+
+
+def test_one_identity_ahead_is_not_believed_while_two_others_hold_params():
+    ours = rec("b", 3, h="aa")
+    lone = rec("h", 4, h="ee")  # one round ahead, alone
+    far = rec("h", 9, h="ee")
+    assert protocol.credible(table(ours, lone), my_round=3) == table(ours)
+    assert protocol.credible(table(ours, far), my_round=3) == table(ours)
+    # Two identities that report the same round and params are believed.
+    pair = table(ours, rec("x", 4, h="ee"), rec("y", 4, h="ee"))
+    assert protocol.credible(pair, my_round=3) == pair
+    # Two that disagree on the params are not.
+    split = table(ours, rec("x", 4, h="ee"), rec("y", 4, h="ef"))
+    assert protocol.credible(split, my_round=3) == table(ours)
+
+
+def test_one_peer_ahead_is_believed_when_it_is_the_only_other_holder():
+    # A two-peer swarm, or restarted peers (loading: they hold no params) behind the one peer that went on.
+    alone = table(rec("a", 7, h="ee"))
+    assert protocol.credible(alone, my_round=3) == alone
+    with_loaders = table(rec("a", 7, h="ee"), rec("b", 2, state="loading", h="11"))
+    assert protocol.credible(with_loaders, my_round=3) == with_loaders
+
+
+def test_claims_at_or_behind_our_round_are_never_filtered():
+    others = table(rec("a", 3, h="a1"), rec("b", 3, h="a2"), rec("c", 2, h="a3"))
+    assert protocol.credible(others, my_round=3) == others
+
+
+def test_memory_counts_only_credible_claims_ahead():
+    memory = SwarmMemory(num_rounds=10)
+    memory.observe(table(rec("b", 3), rec("h", 10, state="done", h="ee")), my_round=3)
+    assert memory.highest_round == 3 and not memory.swarm_finished
+    memory.observe(table(rec("b", 3), rec("h", 10, state="done", h="ee")))  # no round given: as read
+    assert memory.highest_round == 10 and memory.swarm_finished
+
+
 # --- catching up
 
 
@@ -193,6 +231,19 @@ def test_a_finished_swarm_makes_a_round_before_the_last_stale_even_when_its_peer
         == BarrierState.GO
     )
     assert not protocol.may_step_alone(me(), {}, swarm_finished=True)
+
+
+def test_a_peer_waited_out_once_is_not_waited_for_again_but_joins_when_ready():
+    others = table(rec("a", 3, state="training"), rec("b", 3, state="averaging"))
+    d = protocol.barrier(me(), others, now=0, deadline=10, not_waited={"a"})
+    assert d.state == BarrierState.GO and [r.peer_id for r in d.ready] == ["b"]
+    ready = table(rec("a", 3, state="averaging"), rec("b", 3, state="averaging"))
+    d = protocol.barrier(me(), ready, now=0, deadline=10, not_waited={"a"})
+    assert [r.peer_id for r in d.ready] == ["a", "b"]
+    memory = SwarmMemory(num_rounds=10)
+    memory.waited_out_on(["a", "c"])
+    memory.averaged_with(["a", "me"])
+    assert memory.waited_out() == {"c"}
 
 
 def test_barrier_deadline_goes_with_whoever_is_ready():

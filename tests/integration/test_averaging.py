@@ -3,7 +3,6 @@ with averagers that fail at a chosen moment: what hivemind really does when a gr
 
 from __future__ import annotations
 
-import asyncio
 import os
 import threading
 import typing
@@ -13,6 +12,7 @@ import torch
 from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
 
+from bench.hostile import Staller
 from p2ptrain.averaging import ExactAllReduceRunner, ExactAverager, SwarmAverager
 from p2ptrain.compression import make_codec
 from p2ptrain.config import AveragingConfig, SwarmConfig
@@ -60,23 +60,7 @@ class DiesAfterTheFirstChunk(ExactAverager):
             os._exit(1)
 
 
-class NeverSends(ExactAllReduceRunner):
-    """Joins the group, then sends nothing and answers nothing, while staying connected."""
-
-    async def _communicate_with_peer(self, peer_id):
-        await asyncio.sleep(3600)
-
-    async def rpc_aggregate_part(self, stream, context):
-        await asyncio.sleep(3600)
-        yield averaging_pb2.AveragingData()
-
-
-class Staller(ExactAverager):
-    def _make_runner(self, **kwargs) -> ExactAllReduceRunner:
-        return NeverSends(**kwargs)
-
-
-DiesAfterServingOnePart.__name__ = DiesAfterTheFirstChunk.__name__ = Staller.__name__ = ExactAverager.__name__
+DiesAfterServingOnePart.__name__ = DiesAfterTheFirstChunk.__name__ = ExactAverager.__name__
 
 
 @pytest.fixture

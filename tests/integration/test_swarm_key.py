@@ -130,6 +130,9 @@ def _call_as_outsider(maddrs: list[str], member: str) -> dict[str, str]:
             async def one_part():
                 yield averaging_pb2.AveragingData(code=averaging_pb2.PART_FOR_AVERAGING, group_id=b"g")
 
+            # A stream that the handler refuses at once may end without an error reaching us (it depends on
+            # whether the refusal or our half-close comes first): what matters is that nothing is served.
+            errors["rpc_aggregate_part"] = "nothing served"
             try:
                 async for _ in await stub.rpc_aggregate_part(one_part()):
                     errors["rpc_aggregate_part"] = "served"
@@ -146,6 +149,8 @@ def test_a_peer_without_a_record_is_refused_at_every_averaging_rpc(logs, keyed):
     _, (first, _), _ = keyed
     errors = _call_as_outsider(first.visible_maddrs(), first.peer_id)
     assert set(errors) == {"rpc_download_state", "rpc_join_group", "rpc_aggregate_part"}
-    for error in errors.values():
-        assert "has no progress record in run 't'" in error and "swarm.key_file" in error
+    for name in ("rpc_download_state", "rpc_join_group"):
+        assert "has no progress record in run 't'" in errors[name] and "swarm.key_file" in errors[name]
+    part = errors["rpc_aggregate_part"]
+    assert part == "nothing served" or "has no progress record in run 't'" in part, part
     assert "peer that is not in this run" in logged(logs, "refused an averaging request")
