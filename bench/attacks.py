@@ -7,7 +7,7 @@ with the other honest peer: a fallback, a stale drop, or a group without it), th
 timeouts, failed averaging attempts) and what the hostile peer saw. Attack 8 (a crafted model file) is
 `p2ptrain eval` on a file whose metadata is broken.
 
-    python -m bench.attacks [--rounds 8] [--only weight,nan]
+    python -m bench.attacks [--rounds 8] [--steps 20] [--only weight,nan]
 
 Writes bench/results/attacks.json and the attack table in docs/benchmarks.md.
 """
@@ -38,6 +38,7 @@ CONFIG = ROOT / "configs" / "tiny.yaml"
 NUMBERS = {"weight": 1, "nan": 2, "fake_round": 3, "download": 4, "no_peer": 5, "shadow": 6, "stall": 7}
 WHAT = {
     "none": "no attacker",
+    "none_again": "no attacker, again (run-to-run spread)",
     "weight": "joins the all-reduce claiming a weight of 1e9, sending noise",
     "nan": "sends parts full of NaN",
     "fake_round": "claims a later round and serves garbage params (checksum right)",
@@ -48,7 +49,7 @@ WHAT = {
 }
 
 
-def run_swarm(attack: str, rounds: int, workdir: Path) -> dict:
+def run_swarm(attack: str, rounds: int, steps: int, workdir: Path) -> dict:
     shutil.rmtree(workdir, ignore_errors=True)
     workdir.mkdir(parents=True)
     key = workdir / "swarm.key"
@@ -56,7 +57,12 @@ def run_swarm(attack: str, rounds: int, workdir: Path) -> dict:
     run_id = f"attack-{attack}-{int(time.time())}"
     base = ["join", "--config", str(CONFIG), "--host-maddrs", LOOPBACK, "--log-format", "json"]
     base += ["--key-file", str(key)]
-    for item in [f"run.run_id={run_id}", f"outer.num_rounds={rounds}", "swarm.min_peers=2"]:
+    for item in [
+        f"run.run_id={run_id}",
+        f"outer.num_rounds={rounds}",
+        f"inner.num_inner_steps={steps}",
+        "swarm.min_peers=2",
+    ]:
         base += ["--set", item]
     honest: list[PeerProcess] = []
     hostile = None
@@ -68,7 +74,7 @@ def run_swarm(attack: str, rounds: int, workdir: Path) -> dict:
         first = honest[0].wait_for_maddr(timeout_s=90)
         cmd = base + ["--set", f"checkpoint.dir={workdir / 'peer1'}", "--initial-peers", first]
         honest.append(PeerProcess(cmd, workdir / "peer1.log", index=1))
-        if attack != "none":
+        if attack in ATTACKS:
             with open(workdir / "hostile.log", "w") as out:
                 hostile = subprocess.Popen(
                     [sys.executable, "-m", "bench.hostile", attack, "--config", str(CONFIG)]
@@ -159,12 +165,13 @@ def main(argv: list[str] | None = None) -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=20, help="inner steps per round")
     parser.add_argument("--only", default=",".join(ATTACKS))
     args = parser.parse_args(argv)
     logs = ROOT / "runs" / "bench-attacks"
     runs = {}
-    for attack in ["none", *[a for a in args.only.split(",") if a]]:
-        runs[attack] = run_swarm(attack, args.rounds, logs / attack)
+    for attack in ["none", "none_again", *[a for a in args.only.split(",") if a]]:
+        runs[attack] = run_swarm(attack, args.rounds, args.steps, logs / attack)
         print(json.dumps(runs[attack]), flush=True)
     model_file = crafted_model_file(logs / "none")
     print(json.dumps(model_file), flush=True)
@@ -172,7 +179,12 @@ def main(argv: list[str] | None = None) -> None:
     base_loss = runs["none"]["final_val_loss"]
     result = {
         "benchmark": "attacks",
-        "experiment": {"config": str(CONFIG.relative_to(ROOT)), "rounds": args.rounds, "honest_peers": 2},
+        "experiment": {
+            "config": str(CONFIG.relative_to(ROOT)),
+            "rounds": args.rounds,
+            "inner_steps": args.steps,
+            "honest_peers": 2,
+        },
         "machine": {"cpus": torch.get_num_threads(), "platform": platform.platform()},
         "runs": runs,
         "model_file": model_file,
@@ -207,8 +219,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     rows.append("")
     rows.append(
-        f"{args.rounds} rounds of configs/tiny.yaml, 2 honest peers with a swarm key; the hostile peer holds the "
-        "key (an insider) except in 4. Waits are summed over both honest peers."
+        f"{args.rounds} rounds of {args.steps} inner steps of configs/tiny.yaml, 2 honest peers with a swarm key; "
+        "the hostile peer holds the key (an insider) except in 4. Val loss: the worse honest peer's final "
+        "model. Waits are summed over both honest peers."
     )
     replace_block("attacks", rows, DOC)
     print("\n".join(rows))

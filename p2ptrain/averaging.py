@@ -351,12 +351,14 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
         run_id: str,
         state_provider: Callable[[], tuple[dict, list[torch.Tensor]]],
         max_weight: float = math.inf,
+        max_state_bytes: float = math.inf,
         **kwargs,
     ):
         self._watched_parent_pid = os.getpid()
         self._state_provider = state_provider
         self._run_id = run_id
         self._max_weight = max_weight
+        self._max_state_bytes = max_state_bytes
         self._left_out = LeftOut()
         self._round = -1
         self._members: set[str] = set()
@@ -552,7 +554,14 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
         metadata: Any = None
         parts: list = []
         tensors: list[torch.Tensor] = []
+        received = 0
         async for message in stream:
+            # A donor is a stranger: never take more than a state of this model can weigh.
+            received += len(message.metadata) + len(message.tensor_part.buffer)
+            if received > self._max_state_bytes:
+                raise ValueError(
+                    f"{peer} sent more than {self._max_state_bytes} bytes: not a state of this model"
+                )
             if message.metadata:
                 metadata = self.serializer.loads(message.metadata)
             if message.tensor_part.dtype and parts:  # a dtype marks the first part of the next tensor
@@ -604,6 +613,8 @@ class SwarmAverager:
                 prefix=f"{run_id}_diloco",
                 run_id=run_id,
                 max_weight=max_weight,
+                # Params and outer momentum in float32, hivemind's framing, and room for the metadata.
+                max_state_bytes=2 * 4 * sum(math.prod(s) for s in shapes) * 1.1 + 2**16,
                 start=True,
                 state_provider=state_provider,
                 target_group_size=cfg.target_group_size,

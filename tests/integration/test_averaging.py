@@ -233,6 +233,12 @@ def test_a_donor_that_dies_mid_transfer_hands_over_a_state_the_checksum_refuses(
     assert all(torch.equal(a, b) for a, b in zip(got[2], snapshot.params + snapshot.momentum))
 
 
+def test_a_donor_that_streams_more_than_a_state_of_this_model_is_cut_off(swarm_of):
+    huge = [torch.zeros(10**6)]  # 4 MB: hundreds of times what these params and momentum weigh
+    newcomer, donor = swarm_of(2, state_providers=[lambda: ({}, []), lambda: ({"round": 1}, huge)])
+    assert newcomer.download_state([donor.peer_id], timeout=20) is None
+
+
 @pytest.mark.parametrize(
     "attack",
     ["nan", "huge_weight", "zero_weight"],
