@@ -364,22 +364,32 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
         self._members: set[str] = set()
         self._members_read_at = -float("inf")
         self._members_lock: asyncio.Lock | None = None
+        self._reading_members = False
+        self._refused_at: dict[str, float] = {}
+        self._groupmates: dict[bytes, set[PeerID]] = {}
         self._refused = Throttle()
         super().__init__(*args, **kwargs)
 
     async def _admit(self, remote: PeerID, rpc: str) -> None:
-        """Raise PermissionError (which hivemind sends back to the caller) unless ``remote`` is a member."""
+        """Raise PermissionError (which hivemind sends back to the caller) unless ``remote`` is a member.
+
+        A groupmate of a running all-reduce is in (matchmaking admitted it). A known member is answered from
+        what we read last (and the records are read again in the background when that is old): a join
+        request must be answered within ``averaging.request_timeout_s``. Only an unknown caller waits for a
+        read, at most one per ``_MEMBERS_MIN_AGE_S``.
+        """
+        if any(remote in mates for mates in self._groupmates.values()):
+            return
         peer = remote.to_base58()
-        if self._members_lock is None:  # made in this (the averager's) process and event loop
-            self._members_lock = asyncio.Lock()
-        async with self._members_lock:  # a caller that comes during a read waits for its result
-            age = time.monotonic() - self._members_read_at
-            if age > _MEMBERS_MAX_AGE_S or (peer not in self._members and age > _MEMBERS_MIN_AGE_S):
-                found = await self.dht.get(progress_key(self._run_id), latest=True, return_future=True)
-                self._members = set(live(records_from_dht_value(found)))
-                self._members_read_at = time.monotonic()
-            if peer in self._members:
-                return
+        if peer in self._members:
+            if time.monotonic() - self._members_read_at > _MEMBERS_MAX_AGE_S and not self._reading_members:
+                asyncio.create_task(self._read_members())
+            return
+        if time.monotonic() - self._members_read_at > _MEMBERS_MIN_AGE_S:
+            await self._read_members()
+        if peer in self._members:
+            return
+        self._refused_at[peer] = time.monotonic()
         if count := self._refused.due():
             log.warning(
                 "refused an averaging request from a peer that is not in this run",
@@ -392,6 +402,26 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
             f"{self.peer_id} refuses {rpc}: {peer} has no progress record in run {self._run_id!r} "
             "(does it hold the swarm's key, swarm.key_file, and the same run.run_id?)"
         )
+
+    async def _read_members(self) -> None:
+        """Read who has a live record of the run. A failed or empty read keeps what we knew."""
+        if self._members_lock is None:  # made in this (the averager's) process and event loop
+            self._members_lock = asyncio.Lock()
+        async with self._members_lock:  # a caller that comes during a read waits for its result
+            if time.monotonic() - self._members_read_at <= _MEMBERS_MIN_AGE_S:
+                return  # someone read them while we waited
+            self._reading_members = True
+            try:
+                found = await self.dht.get(progress_key(self._run_id), latest=True, return_future=True)
+                members = set(live(records_from_dht_value(found)))
+            except Exception as e:  # the DHT is busy or restarting: keep what we knew
+                log.debug("could not read the run's records", error=repr(e))
+                members = set()
+            finally:
+                self._reading_members = False
+            if members:
+                self._members = members
+            self._members_read_at = time.monotonic()
 
     async def rpc_join_group(
         self, request: averaging_pb2.JoinRequest, context: P2PContext
@@ -459,6 +489,9 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
         matchmaking._guarded = True
 
     def _on_fault(self, peer: PeerID, fault: Fault, reason: str) -> None:
+        refused_at = self._refused_at.get(peer.to_base58(), -math.inf)
+        if fault == Fault.STALLED and time.monotonic() - refused_at < 2 * _MEMBERS_MAX_AGE_S:
+            return  # it did not stall: we refused it (hivemind then counts it as a sender that never came)
         until = self._left_out.fault(peer.to_base58(), fault, self._round)
         log.warning(
             "left a groupmate out",
@@ -477,7 +510,11 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
             raise AllreduceException(
                 f"the group holds {excluded[0]}, whom we left out of round {self._round}"
             )
-        gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
+        self._groupmates[group_info.group_id] = set(group_info.peer_ids)
+        try:
+            gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
+        finally:
+            self._groupmates.pop(group_info.group_id, None)
         sent, received, left_out = self._last_bytes
         return {"gathered": gathered, "bytes_sent": sent, "bytes_received": received, "left_out": left_out}
 

@@ -235,9 +235,7 @@ def dht(
     stop = threading.Event()
     install_stop_handlers(stop)
     try:
-        node = create_dht(
-            cfg.swarm, record_validators=progress_validators(cfg.run.run_id, cfg.swarm.record_ttl_s)
-        )
+        node = create_dht(cfg.swarm, record_validators=progress_validators(cfg.run.run_id))
     except SwarmError as e:
         raise fail(str(e), EXIT_RUNTIME) from None
     monitor = None
@@ -311,9 +309,7 @@ def status(
 
     logs.configure("error", "json" if as_json else cfg.log.format)
     try:
-        node = create_dht(
-            cfg.swarm, record_validators=progress_validators(cfg.run.run_id, cfg.swarm.record_ttl_s)
-        )
+        node = create_dht(cfg.swarm, record_validators=progress_validators(cfg.run.run_id))
     except SwarmError as e:
         raise fail(str(e), EXIT_RUNTIME) from None
     try:

@@ -108,7 +108,11 @@ class SwarmKeyAuthorizer(AuthorizerBase):
         self._refused_requests, self._refused_responses = Throttle(), Throttle()
 
     def _mac(self, purpose: bytes, message) -> bytes:
-        return hmac.new(self._key, purpose + message.SerializeToString(), hashlib.sha256).digest()
+        # The message's type is in the MAC: a signed ping cannot pass for a store with the same bytes.
+        kind = type(message).DESCRIPTOR.full_name.encode()
+        return hmac.new(
+            self._key, purpose + kind + b"\0" + message.SerializeToString(), hashlib.sha256
+        ).digest()
 
     def _signed(self, purpose: bytes, message) -> bool:
         """Whether the message's signature is our HMAC of it (computed with the signature field empty)."""

@@ -34,7 +34,6 @@ The rules, in the order a round meets them (docs/architecture.md has them in one
 from __future__ import annotations
 
 import threading
-from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
@@ -73,14 +72,18 @@ def credible(others: Records, my_round: int) -> dict[str, ProgressRecord]:
     one set of params. Peers that are loading hold no params, so restarted peers do not outvote the one
     peer ahead of them.
     """
-    holders = [r for r in others.values() if r.holds_params]
-    quorum = min(2, len(holders))
-    votes = Counter((r.round, r.params_hash) for r in holders)
     return {
         pid: r
         for pid, r in others.items()
-        if not (r.holds_params and r.round > my_round) or votes[(r.round, r.params_hash)] >= quorum
+        if not (r.holds_params and r.round > my_round) or vouched(others, r.round, r.params_hash)
     }
+
+
+def vouched(others: Records, round: int, params_hash: str) -> bool:
+    """Whether peers vouch for holding ``params_hash`` in ``round``: two of them, or the only other holder."""
+    holders = [r for r in others.values() if r.holds_params]
+    backers = sum(1 for r in holders if r.round == round and r.params_hash == params_hash)
+    return backers >= min(2, len(holders)) and backers > 0
 
 
 # ----------------------------------------------------------------------------------------- catching up
@@ -168,7 +171,7 @@ class SwarmMemory:
         """Since when we have been behind without getting the newer state (see :func:`behind`)."""
         self._final_votes: dict[str, Vote] = {}
         self._ignored: set[str] = set()
-        self._waited_out: set[str] = set()
+        self._waited_out: dict[str, int] = {}
         self._lock = threading.Lock()
 
     def observe(self, records: Records, my_round: int | None = None) -> None:
@@ -190,18 +193,22 @@ class SwarmMemory:
         with self._lock:
             return list(self._final_votes.values())
 
-    def waited_out(self) -> set[str]:
-        """Peers a barrier waited a whole timeout for, that we have not averaged with since."""
-        with self._lock:
-            return set(self._waited_out)
+    WAITED_OUT_ROUNDS = 16
 
-    def waited_out_on(self, peers: Iterable[str]) -> None:
+    def waited_out(self, my_round: int) -> set[str]:
+        """Peers a barrier waited a whole timeout for in the last ``WAITED_OUT_ROUNDS`` rounds, that we have not
+        averaged with since (an honest peer that was slow once is waited for again after that)."""
         with self._lock:
-            self._waited_out |= set(peers)
+            return {p for p, r in self._waited_out.items() if my_round < r + self.WAITED_OUT_ROUNDS}
+
+    def waited_out_on(self, peers: Iterable[str], round: int) -> None:
+        with self._lock:
+            self._waited_out.update({p: round for p in peers})
 
     def averaged_with(self, peers: Iterable[str]) -> None:
         with self._lock:
-            self._waited_out -= set(peers)
+            for p in peers:
+                self._waited_out.pop(p, None)
 
     def give_up_on(self, peers: Iterable[str], my_round: int) -> None:
         """We could not get the newer state these peers hold: go on from ours, and stop counting them as
@@ -373,8 +380,9 @@ def barrier(
     ``num_rounds`` stale even if the peers that finished are gone: their final model exists.
 
     ``not_waited``: peers we already waited a whole timeout for and have not averaged with since
-    (:meth:`SwarmMemory.waited_out`): they join the group if they are ready, but nobody waits for them
-    again, so a record that never gets ready (a hung peer, or a hostile one) costs the swarm one timeout.
+    (:meth:`SwarmMemory.waited_out`): they join the group if they are ready, but nobody waits for them for
+    16 rounds, so a record that never gets ready (a hung peer, or a hostile one) costs one timeout per 16
+    rounds at most.
     """
     if _past(me, others) or (swarm_finished and me.round < num_rounds):
         return Barrier(BarrierState.STALE)

@@ -8,8 +8,8 @@ them.
 
 The subkey is the signer's public key, which is also the peer's libp2p identity: only its owner can
 write it, and a reader keeps a record only if its ``peer_id`` is its signer's. No node stores a record
-that expires later than ``2 * swarm.record_ttl_s`` from now, so a peer that stops refreshing its record
-is gone within that time whatever it asked for.
+that expires later than :data:`MAX_RECORD_TTL_S` from now, so a peer that stops refreshing its record is
+gone within that time whatever it asked for.
 
 Each record also carries the peer's *view*: a short hash of the set of live peers it sees. Peers of a
 healthy swarm see the same set within a few heartbeats. :class:`~p2ptrain.records.SplitWatch` warns
@@ -179,7 +179,7 @@ class Swarm:
         self.heartbeat_s, self.record_ttl_s = cfg.heartbeat_s, cfg.record_ttl_s
         with tempfile.TemporaryDirectory(prefix="p2ptrain-identity-") as tmp:
             identity_file, signer, fresh = _identity(cfg.identity_path, Path(tmp))
-            validators = progress_validators(run_id, cfg.record_ttl_s, signer)
+            validators = progress_validators(run_id, signer=signer)
             self._public_key = validators[-1].local_public_key
             # p2pd reads the identity at start; a temporary one is gone once the DHT is up.
             self.dht = create_dht(
@@ -316,11 +316,17 @@ def progress_key(run_id: str) -> str:
     return f"{run_id}_progress"
 
 
-class _ExpiryCap(RecordValidatorBase):
-    """Refuses a progress record that asks to be kept longer than ``max_ttl_s`` from now: a peer that
-    stops refreshing its record must be gone soon, whatever it asked for."""
+MAX_RECORD_TTL_S = 600.0
+"""No node stores a progress record that asks to be kept longer than this from now. A constant, not a
+config value: hivemind drops a whole key's value when one of its records fails a node's validators, so
+every node of a swarm must apply the same cap (``swarm.record_ttl_s`` is at most half of it)."""
 
-    def __init__(self, run_id: str, max_ttl_s: float):
+
+class _ExpiryCap(RecordValidatorBase):
+    """Refuses a progress record that asks to be kept longer than :data:`MAX_RECORD_TTL_S` from now: a
+    peer that stops refreshing its record must be gone soon, whatever it asked for."""
+
+    def __init__(self, run_id: str, max_ttl_s: float = MAX_RECORD_TTL_S):
         self._key = DHTID.generate(source=progress_key(run_id)).to_bytes()
         self.max_ttl_s = max_ttl_s
 
@@ -328,7 +334,7 @@ class _ExpiryCap(RecordValidatorBase):
         return record.key != self._key or record.expiration_time <= get_dht_time() + self.max_ttl_s
 
 
-def progress_validators(run_id: str, record_ttl_s: float, signer: RSAPrivateKey | None = None) -> list:
+def progress_validators(run_id: str, *, signer: RSAPrivateKey | None = None) -> list:
     """The DHT record validators of a run: schema-checked, and signed by the peer that owns the subkey.
 
     Every node that stores records of the run should use them (peers, the bootstrap node, status readers),
@@ -338,7 +344,7 @@ def progress_validators(run_id: str, record_ttl_s: float, signer: RSAPrivateKey 
     """
     return [
         SchemaValidator(_ProgressSchema, prefix=run_id),
-        _ExpiryCap(run_id, max_ttl_s=2 * record_ttl_s),
+        _ExpiryCap(run_id),
         RSASignatureValidator(signer if signer is not None else RSAPrivateKey()),
     ]
 

@@ -370,7 +370,7 @@ class Trainer:
                     deadline=deadline,
                     swarm_finished=self.memory.swarm_finished,
                     num_rounds=self.cfg.outer.num_rounds,
-                    not_waited=self.memory.waited_out(),
+                    not_waited=self.memory.waited_out(self.round),
                 )
                 if decision.state == BarrierState.STALE:
                     self.log.info(
@@ -389,7 +389,7 @@ class Trainer:
                 if self.stop.wait(self._poll_s):
                     return None  # stopping: leave the round unfinished rather than step alone
         if decision.timed_out:
-            self.memory.waited_out_on(decision.waiting_for)  # not waited for again until we average together
+            self.memory.waited_out_on(decision.waiting_for, self.round)  # not waited for again for a while
             self.log.warning(
                 "barrier timeout: averaging without slow peers",
                 round=self.round,
@@ -637,11 +637,7 @@ class Trainer:
         meta, tensors = got
         served = tensors_hash(tensors[: len(self.diloco.master)])
         # The donor may have moved on since we chose it: its newer state is fine if the swarm vouches for it.
-        vouched = served == expect or any(
-            r.holds_params and r.round == meta["round"] and r.params_hash == served
-            for r in self._visible().values()
-        )
-        if not vouched:
+        if served != expect and not protocol.vouched(self._visible(), meta["round"], served):
             return f"its params hash {served} is not what the swarm's peers report ({expect or 'none'})"
         try:
             self.diloco.load_state_tensors(tensors, round=meta["round"])

@@ -240,10 +240,11 @@ def test_a_peer_waited_out_once_is_not_waited_for_again_but_joins_when_ready():
     ready = table(rec("a", 3, state="averaging"), rec("b", 3, state="averaging"))
     d = protocol.barrier(me(), ready, now=0, deadline=10, not_waited={"a"})
     assert [r.peer_id for r in d.ready] == ["a", "b"]
-    memory = SwarmMemory(num_rounds=10)
-    memory.waited_out_on(["a", "c"])
+    memory = SwarmMemory(num_rounds=100)
+    memory.waited_out_on(["a", "c"], round=3)
     memory.averaged_with(["a", "me"])
-    assert memory.waited_out() == {"c"}
+    assert memory.waited_out(3) == {"c"} and memory.waited_out(18) == {"c"}
+    assert memory.waited_out(19) == set()  # waited for again, 16 rounds later
 
 
 def test_barrier_deadline_goes_with_whoever_is_ready():

@@ -375,4 +375,4 @@ def test_one_identity_claiming_a_later_round_neither_stalls_nor_poisons_the_swar
     for p in peers.values():
         assert p.trainer.rounds_applied == list(range(6)), p.trainer.rounds_applied
         if jump == 1:  # it sat in the honest peers' round, never ready: waited for once, then not again
-            assert p.trainer.memory.waited_out() == {"QmHostile"}
+            assert p.trainer.memory.waited_out(p.trainer.round) == {"QmHostile"}
