@@ -678,7 +678,12 @@ class Trainer:
     def _others(self) -> dict[str, ProgressRecord]:
         """The other peers' records (left ones included). Every reading also reaches ``self.memory``, through
         the board's subscription."""
-        return {pid: r for pid, r in self.board.records().items() if pid != self.peer_id}
+        return self._in_run(self.board.records())
+
+    def _in_run(self, records: dict[str, ProgressRecord]) -> dict[str, ProgressRecord]:
+        """Other peers' records that can be true: no round of this run is past ``outer.num_rounds``."""
+        last = self.cfg.outer.num_rounds
+        return {pid: r for pid, r in records.items() if pid != self.peer_id and r.round <= last}
 
     def _visible(self) -> dict[str, ProgressRecord]:
         """The other peers' records that the round's decisions look at (see ``SwarmMemory.visible``)."""
@@ -686,7 +691,7 @@ class Trainer:
 
     def _remember(self, records: dict[str, ProgressRecord]) -> None:
         """Fed every reading of the records, the heartbeat's too: the swarm's progress is noticed while we train."""
-        self.memory.observe({pid: r for pid, r in records.items() if pid != self.peer_id}, self.round)
+        self.memory.observe(self._in_run(records), self.round)
 
     @property
     def _poll_s(self) -> float:
