@@ -68,6 +68,8 @@ _MEMBERS_MAX_AGE_S = 10.0
 """Read the run's records again at most this long after the last read (peers that left lose the door)..."""
 _MEMBERS_MIN_AGE_S = 1.0
 """...and at least this long after it (an unknown caller may be a newcomer whose record just arrived)."""
+_REFUSAL_MEMORY_S = 2 * _MEMBERS_MAX_AGE_S
+"""A groupmate we refused this recently did not stall: hivemind counts it as a sender that never came."""
 
 
 class _Stopped(Exception):
@@ -155,15 +157,12 @@ class ExactAllReduceRunner(AllReduceRunner):
 
             expected = self._part_shapes_by_peer[peer_index]
 
-            def shape(index: int) -> torch.Size | None:
-                return expected[index] if index < len(expected) else None
-
             def _deserialize(item):
                 index, msg = item
                 if msg.code != averaging_pb2.AVERAGED_PART:
                     raise AllreduceException(f"{peer_id} sent {averaging_pb2.MessageCode.Name(msg.code)}")
                 self.bytes_received += len(msg.tensor_part.buffer)
-                return _decoded(msg.tensor_part, shape(index))
+                return _decoded(msg.tensor_part, _nth(expected, index))
 
             part_index = 0
             async for averaged in amap_in_executor(
@@ -172,7 +171,7 @@ class ExactAllReduceRunner(AllReduceRunner):
                 max_prefetch=self.tensor_part_container.prefetch,
             ):
                 # A reducer's answer is checked like any input: it becomes our params.
-                problem = part_problem(averaged, shape(part_index))
+                problem = part_problem(averaged, _nth(expected, part_index))
                 if problem is not None:
                     self._fault(peer_id, Fault.MISBEHAVED, f"as a reducer, its part {part_index}: {problem}")
                     raise AllreduceException(f"{peer_id} sent a bad averaged part {part_index}: {problem}")
@@ -221,7 +220,7 @@ class ExactAllReduceRunner(AllReduceRunner):
             ):
                 # What a groupmate sends is never trusted: a bad part leaves it out of this all-reduce (the
                 # finally below bans it, and the reducer averages the others' parts without it).
-                problem = part_problem(tensor_part, self._reducer_shape(part_index))
+                problem = part_problem(tensor_part, _nth(self.tensor_part_reducer.part_shapes, part_index))
                 if problem is None and not (math.isfinite(weight) and 0 < weight <= self.max_weight):
                     problem = f"weight {weight!r} is not in (0, {self.max_weight:g}]"
                 if problem is not None:
@@ -249,11 +248,7 @@ class ExactAllReduceRunner(AllReduceRunner):
 
     def _count_received(self, index: int, msg) -> torch.Tensor | None:
         self.bytes_received += len(msg.tensor_part.buffer)
-        return _decoded(msg.tensor_part, self._reducer_shape(index))
-
-    def _reducer_shape(self, index: int) -> torch.Size | None:
-        shapes = self.tensor_part_reducer.part_shapes
-        return shapes[index] if index < len(shapes) else None
+        return _decoded(msg.tensor_part, _nth(self.tensor_part_reducer.part_shapes, index))
 
 
 class Fault(str, Enum):
@@ -276,6 +271,11 @@ def _decoded(part, shape: torch.Size | None) -> torch.Tensor | None:
         return deserialize(part)
     except Exception:  # any malformed buffer or dtype: the caller reports it as misbehaviour
         return None
+
+
+def _nth(shapes: Sequence[torch.Size], index: int) -> torch.Size | None:
+    """The expected shape of part ``index``, or None past the last part."""
+    return shapes[index] if index < len(shapes) else None
 
 
 async def _numbered(stream):
@@ -362,7 +362,7 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
         self._left_out = LeftOut()
         self._round = -1
         self._members: set[str] = set()
-        self._members_read_at = -float("inf")
+        self._members_read_at = -math.inf
         self._members_lock: asyncio.Lock | None = None
         self._reading_members = False
         self._refused_at: dict[str, float] = {}
@@ -389,7 +389,9 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
             await self._read_members()
         if peer in self._members:
             return
-        self._refused_at[peer] = time.monotonic()
+        now = time.monotonic()
+        self._refused_at = {p: t for p, t in self._refused_at.items() if now - t < _REFUSAL_MEMORY_S}
+        self._refused_at[peer] = now
         if count := self._refused.due():
             log.warning(
                 "refused an averaging request from a peer that is not in this run",
@@ -427,7 +429,7 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
         self, request: averaging_pb2.JoinRequest, context: P2PContext
     ) -> typing.AsyncIterator[averaging_pb2.MessageFromLeader]:  # hivemind reads these: typing's, not abc's
         await self._admit(context.remote_id, "to let it join a group")
-        if self._left_out.excludes(context.remote_id.to_base58(), self._round):
+        if self._left_out_now(context.remote_id):
             raise PermissionError(f"{self.peer_id} left {context.remote_id} out of round {self._round}")
         async for message in super().rpc_join_group(request, context):
             yield message
@@ -454,9 +456,8 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
         # time us out. Replace it here, once, before any worker thread exists.
         torch.set_num_threads(torch.get_num_threads())
         unbind("round")  # inherited at fork time; this process does not follow the trainer's rounds
-        bind(
-            peer_id=self.peer_id.to_base58()[-8:]
-        )  # forked before the trainer bound it: say whose lines these are
+        # Forked before the trainer bound it: say whose lines these are.
+        bind(peer_id=self.peer_id.to_base58()[-8:])
         super().run()
 
     def get_current_state(self):
@@ -481,16 +482,19 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
         ask = matchmaking._request_join_group
 
         async def ask_unless_left_out(leader: PeerID):
-            if self._left_out.excludes(leader.to_base58(), self._round):
+            if self._left_out_now(leader):
                 return None
             return await ask(leader)
 
         matchmaking._request_join_group = ask_unless_left_out
         matchmaking._guarded = True
 
+    def _left_out_now(self, peer: PeerID) -> bool:
+        return self._left_out.excludes(peer.to_base58(), self._round)
+
     def _on_fault(self, peer: PeerID, fault: Fault, reason: str) -> None:
         refused_at = self._refused_at.get(peer.to_base58(), -math.inf)
-        if fault == Fault.STALLED and time.monotonic() - refused_at < 2 * _MEMBERS_MAX_AGE_S:
+        if fault == Fault.STALLED and time.monotonic() - refused_at < _REFUSAL_MEMORY_S:
             return  # it did not stall: we refused it (hivemind then counts it as a sender that never came)
         until = self._left_out.fault(peer.to_base58(), fault, self._round)
         log.warning(
@@ -503,9 +507,9 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
         )
 
     async def _aggregate_with_group(self, group_info, min_vector_size: int, **kwargs):
-        self._last_bytes: tuple[int, int, list[str]] = (0, 0, [])
+        self._last_allreduce: tuple[int, int, list[str]] = (0, 0, [])
         # A group that another leader formed may hold a peer we left out: never average with it.
-        excluded = [p for p in group_info.peer_ids if self._left_out.excludes(p.to_base58(), self._round)]
+        excluded = [p for p in group_info.peer_ids if self._left_out_now(p)]
         if excluded:
             raise AllreduceException(
                 f"the group holds {excluded[0]}, whom we left out of round {self._round}"
@@ -515,7 +519,7 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
             gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
         finally:
             self._groupmates.pop(group_info.group_id, None)
-        sent, received, left_out = self._last_bytes
+        sent, received, left_out = self._last_allreduce
         return {"gathered": gathered, "bytes_sent": sent, "bytes_received": received, "left_out": left_out}
 
     async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs):
@@ -539,7 +543,7 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
             tensor.copy_(averaged)
         # Senders our reducer left out (they stalled, or sent nothing we could use): not in this average.
         left_out = sorted(p.to_base58() for p in runner.banned_senders)
-        self._last_bytes = (runner.bytes_sent, runner.bytes_received, left_out)
+        self._last_allreduce = (runner.bytes_sent, runner.bytes_received, left_out)
         if runner.tensor_part_container.failed_size:
             raise AllreduceException(
                 f"a reducer left mid-way; {runner.tensor_part_container.failed_size} values were not averaged"

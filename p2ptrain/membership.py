@@ -19,6 +19,7 @@ the checks in ``averaging.py``, ``diloco.py`` and ``transfer.py``; docs/architec
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import os
@@ -200,6 +201,7 @@ def peer_id_of(public_key: RSAPublicKey) -> str:
 _OWNER_RE = re.compile(rb"^\[owner:(.+)\]$", re.DOTALL)
 
 
+@functools.lru_cache(maxsize=4096)  # every reading of the records parses every subkey's key: once is enough
 def peer_id_of_owner(subkey: object) -> str | None:
     """The peer id of the key that signed a protected DHT record (its ``[owner:...]`` subkey); None if the
     subkey is not one."""

@@ -34,7 +34,8 @@ The rules, in the order a round meets them (docs/architecture.md has them in one
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Mapping
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -72,18 +73,25 @@ def credible(others: Records, my_round: int) -> dict[str, ProgressRecord]:
     one set of params. Peers that are loading hold no params, so restarted peers do not outvote the one
     peer ahead of them.
     """
+    is_vouched = _vouching(others)
     return {
         pid: r
         for pid, r in others.items()
-        if not (r.holds_params and r.round > my_round) or vouched(others, r.round, r.params_hash)
+        if not (r.holds_params and r.round > my_round) or is_vouched(r.round, r.params_hash)
     }
 
 
 def vouched(others: Records, round: int, params_hash: str) -> bool:
     """Whether peers vouch for holding ``params_hash`` in ``round``: two of them, or the only other holder."""
+    return _vouching(others)(round, params_hash)
+
+
+def _vouching(others: Records) -> Callable[[int, str], bool]:
+    """:func:`vouched` for one reading of the records, counted once."""
     holders = [r for r in others.values() if r.holds_params]
-    backers = sum(1 for r in holders if r.round == round and r.params_hash == params_hash)
-    return backers >= min(2, len(holders)) and backers > 0
+    backers = Counter((r.round, r.params_hash) for r in holders)
+    quorum = max(1, min(2, len(holders)))
+    return lambda round, params_hash: backers[(round, params_hash)] >= quorum
 
 
 # ----------------------------------------------------------------------------------------- catching up

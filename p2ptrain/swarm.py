@@ -186,9 +186,8 @@ class Swarm:
                 cfg, record_validators=validators, identity_file=identity_file, fresh_identity=fresh
             )
         self.peer_id = self.dht.peer_id.to_base58()
-        if (
-            peer_id_of(signer.get_public_key()) != self.peer_id
-        ):  # our records would be dropped by every reader
+        # Every reader would drop our records if the DHT's peer id were not our signer's.
+        if peer_id_of(signer.get_public_key()) != self.peer_id:
             stop_dht(self.dht)
             raise SwarmError("the DHT's peer id is not the one of its identity file")
         self.status = LocalStatus()
