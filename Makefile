@@ -43,6 +43,8 @@ bench: $(STAMP)
 	$(BIN)/python -m bench.compression
 	$(BIN)/python -m bench.churn
 	$(BIN)/python -m bench.attacks
+	$(BIN)/python -m bench.robustness
+	$(BIN)/python -m bench.replicas
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

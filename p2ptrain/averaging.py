@@ -1,6 +1,6 @@
 """Pseudo-gradient averaging over hivemind's decentralized all-reduce.
 
-Three changes to hivemind 1.1.12's averager, each for a reason:
+Changes to hivemind 1.1.12's averager, each for a reason:
 
 * **Exact results.** hivemind's reducers send every groupmate ``average - its_own_part`` and each
   peer adds that delta to its own part. In floating point ``x + (a - x) != a``, so groupmates end
@@ -17,6 +17,9 @@ Three changes to hivemind 1.1.12's averager, each for a reason:
   answer is checked the same way. A groupmate that sends anything else, or stalls for a whole timeout, is
   left out (:class:`LeftOut`): the reducers average without it, and the retry of the round neither joins
   its group nor lets it join ours. Only members of the run may call the averager at all (``_admit``).
+* **Robust reducers.** A part that passes those checks may still be wrong (ten times a pseudo-gradient,
+  sign flipped). Reducers combine parts with ``averaging.aggregator`` (CenteredClip by default,
+  ``aggregation.py``) instead of hivemind's running weighted sum (:class:`RobustPartReducer`).
 
 It also counts the payload bytes each peer sends and receives, and lets the trainer download the
 swarm's state from a donor of its choosing (the checks on what arrives are in ``transfer.py``).
@@ -38,7 +41,7 @@ from typing import Any
 import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AllreduceException, AllReduceRunner, AveragingMode
-from hivemind.averaging.partition import TensorPartContainer
+from hivemind.averaging.partition import TensorPartContainer, TensorPartReducer
 from hivemind.compression import CompressionBase
 from hivemind.compression.serialization import combine_from_streaming
 from hivemind.p2p import P2PContext, PeerID
@@ -52,6 +55,7 @@ from hivemind.utils.asyncio import (
     azip,
 )
 
+from p2ptrain.aggregation import Aggregate, aggregator, weighted_mean
 from p2ptrain.compression import deserialize
 from p2ptrain.config import AveragingConfig
 from p2ptrain.diloco import AverageResult, AveragingFailed
@@ -90,6 +94,7 @@ class ExactAllReduceRunner(AllReduceRunner):
         tensors: Sequence[torch.Tensor],
         peer_fractions,
         max_weight: float = math.inf,
+        aggregate: Aggregate = weighted_mean,
         on_fault: Callable[[PeerID, Fault, str], None] | None = None,
         on_part_served: Callable[[], None] | None = None,
         **kwargs,
@@ -115,6 +120,11 @@ class ExactAllReduceRunner(AllReduceRunner):
             [part.shape for part, _ in parts] for parts in self.tensor_part_container._input_parts_by_peer
         ]
         self.parts_for_local_averaging = self.tensor_part_container.get_raw_input_parts(my_index)
+        self.tensor_part_reducer = RobustPartReducer(
+            tuple(part.shape for part in self.parts_for_local_averaging),
+            len(self.sender_peer_ids),
+            aggregate=aggregate,
+        )
         self._serialized_averages: dict[int, asyncio.Future] = {}
         self.bytes_sent = 0
         self.bytes_received = 0
@@ -251,6 +261,79 @@ class ExactAllReduceRunner(AllReduceRunner):
         return _decoded(msg.tensor_part, _nth(self.tensor_part_reducer.part_shapes, index))
 
 
+class RobustPartReducer(TensorPartReducer):
+    """hivemind's reducer with the combining step replaced, the senders' bookkeeping (who sent which part,
+    who was dropped) unchanged.
+
+    hivemind adds each sender's part into a running sum and divides by the total weight once every sender's
+    part is in. This one collects the parts, in sender order (so that the result does not depend on the
+    order they arrived in), and ``aggregate``s them (``aggregation.py``) in a worker thread: a robust
+    aggregate takes long enough (tens of milliseconds per part, more in large groups) that in the event loop
+    it would hold up every other stream of the averager.
+    """
+
+    def __init__(self, part_shapes: Sequence[torch.Size], num_senders: int, *, aggregate: Aggregate):
+        self._aggregate = aggregate
+        super().__init__(part_shapes, num_senders)
+
+    async def accumulate_part(
+        self, sender_index: int, part_index: int, tensor_part: torch.Tensor, weight: float = 1.0
+    ) -> torch.Tensor:
+        # hivemind hands the part to the accumulator's add_ and nothing else: ours gets the sender with it.
+        sent = typing.cast(torch.Tensor, _Sent(sender_index, tensor_part))
+        return await super().accumulate_part(sender_index, part_index, sent, weight=weight)
+
+    def reset_accumulators(self) -> None:
+        super().reset_accumulators()
+        if not self.finished.is_set():
+            self.accumulator = _Collected()
+
+    def check_current_part_finished(self) -> None:
+        assert self.current_part_accumulated_from <= self.num_current_senders
+        if self.current_part_accumulated_from < self.num_current_senders:
+            return
+        collected: _Collected = self.accumulator
+        result: asyncio.Future = self.current_part_future  # type: ignore[has-type]
+        # The next part starts at once. After the last part hivemind's finalize cancels the current future:
+        # it gets a stand-in, not the one this part's senders are waiting on.
+        self.current_part_future: asyncio.Future = asyncio.Future()
+        self.reset_accumulators()
+        work = asyncio.get_event_loop().run_in_executor(None, collected.aggregate, self._aggregate)
+        work.add_done_callback(lambda done: _settle(result, done))
+
+
+class _Sent(typing.NamedTuple):
+    sender: int
+    part: torch.Tensor
+
+
+class _Collected:
+    """Stands in for hivemind's accumulator tensor: ``add_`` keeps each sender's part and weight."""
+
+    def __init__(self) -> None:
+        self._sent: list[tuple[int, torch.Tensor, float]] = []
+
+    def add_(self, sent: _Sent, *, alpha: float) -> None:
+        self._sent.append((sent.sender, sent.part, alpha))
+
+    def aggregate(self, aggregate: Aggregate) -> torch.Tensor:
+        # Our own part always reaches our own reducer (we are never dropped by ourselves): there is one at least.
+        ordered = sorted(self._sent, key=lambda item: item[0])
+        return aggregate([part for _, part, _ in ordered], [weight for _, _, weight in ordered])
+
+
+def _settle(future: asyncio.Future, done: asyncio.Future) -> None:
+    """Pass a finished aggregate (or its error, so that nobody waits for it forever) to the part's senders."""
+    if future.done():  # the all-reduce was cancelled meanwhile
+        return
+    if done.cancelled():
+        future.cancel()
+    elif done.exception() is not None:
+        future.set_exception(typing.cast(BaseException, done.exception()))
+    else:
+        future.set_result(done.result())
+
+
 class Fault(str, Enum):
     """What a groupmate did wrong in an all-reduce."""
 
@@ -352,9 +435,11 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
         state_provider: Callable[[], tuple[dict, list[torch.Tensor]]],
         max_weight: float = math.inf,
         max_state_bytes: float = math.inf,
+        aggregate: Aggregate = weighted_mean,
         **kwargs,
     ):
         self._watched_parent_pid = os.getpid()
+        self._aggregate = aggregate
         self._state_provider = state_provider
         self._run_id = run_id
         self._max_weight = max_weight
@@ -558,7 +643,9 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
 
     def _make_runner(self, **kwargs) -> ExactAllReduceRunner:
         """The runner of one all-reduce (tests subclass this to fail at a chosen moment)."""
-        return ExactAllReduceRunner(max_weight=self._max_weight, on_fault=self._on_fault, **kwargs)
+        return ExactAllReduceRunner(
+            max_weight=self._max_weight, aggregate=self._aggregate, on_fault=self._on_fault, **kwargs
+        )
 
     def download_state_from(self, peers: Sequence[str], timeout: float) -> tuple[str, Any, list] | None:
         """Download ``get_current_state`` of the first of ``peers`` (base58 ids) that serves it.
@@ -654,6 +741,7 @@ class SwarmAverager:
                 prefix=f"{run_id}_diloco",
                 run_id=run_id,
                 max_weight=max_weight,
+                aggregate=aggregator(cfg),
                 # Params and outer momentum in float32, hivemind's framing, and room for the metadata.
                 max_state_bytes=2 * 4 * sum(math.prod(s) for s in shapes) * 1.1 + 2**16,
                 start=True,

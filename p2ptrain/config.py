@@ -135,6 +135,17 @@ class AveragingConfig(_Section):
     error_feedback: bool = False
     """Keep what quantization dropped from this peer's pseudo-gradient and add it to the next round's
     (EF-SGD). Kept in checkpoints."""
+    aggregator: Literal["centered_clip", "mean"] = "centered_clip"
+    """How a reducer combines its groupmates' parts: centered_clip (robust: a part far beyond the others'
+    spread gets no weight, and one within it moves the result by at most averaging.clip_radius times the
+    spread, times its share of the weight; the exact weighted mean whenever no part is that far) or mean (the
+    plain weighted mean, which one groupmate can move anywhere). Robustness needs groups of three or more."""
+    clip_radius: float = Field(default=2.0, gt=0.0)
+    """centered_clip's clipping radius, in units of the spread: the median distance of the parts from their
+    coordinate-wise median, measured for every part. Smaller: more robust, but honest parts get clipped."""
+    reject_radius: float = Field(default=4.0, gt=0.0)
+    """centered_clip leaves out a part farther than this many spreads from the coordinate-wise median. At
+    least averaging.clip_radius."""
     min_group_size: int = Field(default=2, ge=1)
     """Smallest group worth an all-reduce; a peer that finds fewer applies its own pseudo-gradient."""
     target_group_size: int = Field(default=64, ge=2)
@@ -180,6 +191,11 @@ class AveragingConfig(_Section):
             raise ValueError(
                 "averaging.allreduce_timeout_s must exceed twice averaging.next_chunk_timeout_s "
                 f"({self.allreduce_timeout_s} <= 2 * {self.next_chunk_timeout_s})"
+            )
+        if self.reject_radius < self.clip_radius:
+            raise ValueError(
+                f"averaging.reject_radius ({self.reject_radius}) must be at least averaging.clip_radius "
+                f"({self.clip_radius})"
             )
         if self.min_group_size > self.target_group_size:
             raise ValueError("averaging.min_group_size must not exceed averaging.target_group_size")

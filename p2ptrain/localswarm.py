@@ -34,6 +34,7 @@ class PeerProcess:
         log_path: where its stderr goes, line by line.
         env: extra environment variables.
         on_event: called from the reader thread with (this, event) for each JSON log line.
+        module: what ``python -m`` runs (the benchmarks' hostile peers are not ``p2ptrain``).
     """
 
     def __init__(
@@ -44,6 +45,7 @@ class PeerProcess:
         env: dict[str, str] | None = None,
         on_event: Callable[[PeerProcess, dict[str, Any]], None] | None = None,
         index: int = 0,
+        module: str = "p2ptrain",
     ):
         self.args, self.log_path, self.index = list(args), Path(log_path), index
         self.stdout_lines: list[str] = []
@@ -52,7 +54,7 @@ class PeerProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "p2ptrain", *self.args],
+            [sys.executable, "-m", module, *self.args],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from p2ptrain.aggregation import aggregator
 from p2ptrain.compression import roundtrip
 from p2ptrain.config import ExperimentConfig, load_config
 from p2ptrain.diloco import AverageResult, AveragingFailed
@@ -100,6 +101,8 @@ class Injector:
         self.group_failures: set[int] = set()  # rounds whose all-reduce fails for every member
         self.member_failures: dict[tuple[str, int], float] = {}  # (peer, round): attempts left to fail
         self.refuse_donations: set[str] = set()  # peers that never serve their state
+        # Peers that send something else than their pseudo-gradient (a hostile insider): what they send.
+        self.tamper: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
 
     def fail_at(self, peer: str | None, point: Point, round: int | None = None) -> None:
         self._faults.append(Fault(peer, point, round))
@@ -247,7 +250,9 @@ class MemoryAverager:
         for attempt in range(1 + cfg.retries):
             peer.check_alive()
             try:
-                return peer.swarm.allreduce(peer, [roundtrip(self._codec, t) for t in tensors], weight, round)
+                tamper = peer.swarm.injector.tamper.get(peer.name, lambda t: t)
+                sent = [roundtrip(self._codec, tamper(t)) for t in tensors]
+                return peer.swarm.allreduce(peer, sent, weight, round)
             except AveragingFailed as e:
                 if e.reason == "stopped":
                     raise
@@ -374,8 +379,10 @@ class MemorySwarm:
             for pid in ids:
                 group.results[pid] = AveragingFailed("no_group", "could not find a group")
         else:
-            total = sum(w for _, _, w in members)
-            average = [sum(w * t[i] for _, t, w in members) / total for i in range(len(members[0][1]))]
+            # The reducers' aggregate, tensor by tensor: hivemind's parts, when every tensor fits in one part.
+            aggregate = aggregator(members[0][0].cfg.averaging)
+            weights = [w for _, _, w in members]
+            average = [aggregate([t[i] for _, t, _ in members], weights) for i in range(len(members[0][1]))]
             codec = members[0][0].codec  # every member decodes the same bytes: one result for all
             result = AverageResult(
                 tensors=[roundtrip(codec, a) for a in average], group_size=len(members), peers=ids

@@ -376,3 +376,19 @@ def test_one_identity_claiming_a_later_round_neither_stalls_nor_poisons_the_swar
         assert p.trainer.rounds_applied == list(range(6)), p.trainer.rounds_applied
         if jump == 1:  # it sat in the honest peers' round, never ready: waited for once, then not again
             assert p.trainer.memory.waited_out(p.trainer.round) == {"QmHostile"}
+
+
+@pytest.mark.parametrize("aggregator", ["centered_clip", "mean"])
+def test_a_groupmate_sending_ten_times_its_flipped_pseudo_gradient(tmp_path, aggregator):
+    """An insider whose every part passes the reducers' checks (finite, well shaped, a weight within bounds)
+    but is -10 times its pseudo-gradient: robust aggregation keeps the swarm learning; the plain mean (the
+    control, which shows this test can fail) does not."""
+    swarm = MemorySwarm()
+    swarm.injector.tamper["x"] = lambda delta: -10 * delta
+    peers = start(swarm, tmp_path, ["a", "b", "c", "x"], averaging={"aggregator": aggregator})
+    finish(peers)
+    if aggregator == "centered_clip":
+        assert_swarm_contract(tmp_path, peers, ["a", "b", "c", "x"])
+    else:
+        with pytest.raises(AssertionError, match="val_loss"):
+            assert_swarm_contract(tmp_path, peers, ["a", "b", "c", "x"])

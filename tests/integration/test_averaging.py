@@ -136,7 +136,7 @@ def inputs(n):
 
 
 def test_three_peers_get_bit_identical_weighted_average(swarm_of):
-    averagers = swarm_of(3, compression="fp16")
+    averagers = swarm_of(3, compression="fp16", aggregator="mean")
     xs, weights = inputs(3), [1.0, 2.0, 5.0]
     results = run_parallel(
         [lambda a=a, x=x, w=w: a.average(x, weight=w, round=4) for a, x, w in zip(averagers, xs, weights)]
@@ -294,3 +294,32 @@ def test_a_groupmate_that_stalls_costs_one_timeout_and_the_round_is_averaged_wit
         assert r.group_size == 2 and staller.peer_id not in r.peers
     assert torch.equal(a.tensors[0], b.tensors[0])
     torch.testing.assert_close(a.tensors[0], (xs[0][0] + xs[1][0]) / 2)
+
+
+@pytest.mark.parametrize("aggregator", ["centered_clip", "mean"])
+def test_a_groupmate_sending_ten_times_its_flipped_pseudo_gradient_is_clipped(swarm_of, aggregator):
+    """An insider whose parts pass every check (finite, well shaped, an honest weight) but are -10 times its
+    pseudo-gradient: every reducer clips it, so all four members get the same result, near the honest mean.
+    The plain mean (the control) is taken far from it."""
+    shapes = [torch.Size([300_000]), torch.Size([7, 3])]
+    averagers = swarm_of(4, compression="none", shapes=shapes, aggregator=aggregator)
+    gen = torch.Generator().manual_seed(0)
+    direction = [torch.randn(s, generator=gen) for s in shapes]
+    xs = [[d + 0.5 * torch.randn(d.shape, generator=gen) for d in direction] for _ in range(4)]
+    xs[3] = [-10 * t for t in xs[3]]
+    results = run_parallel(
+        [lambda a=a, x=x: a.average(x, weight=10.0, round=2) for a, x in zip(averagers, xs)]
+    )
+    for r in results:
+        assert not isinstance(r, Exception), r
+        assert r.group_size == 4
+    honest = torch.cat([sum(x[k] for x in xs[:3]).flatten() / 3 for k in range(len(shapes))])
+    spread = max(float((torch.cat([t.flatten() for t in x]) - honest).norm() / honest.norm()) for x in xs[:3])
+    got = torch.cat([t.flatten() for t in results[0].tensors])
+    for r in results[1:]:
+        assert all(torch.equal(t, u) for t, u in zip(r.tensors, results[0].tensors))
+    error = float((got - honest).norm() / honest.norm())
+    if aggregator == "centered_clip":
+        assert error < spread, (error, spread)
+    else:
+        assert error > 2 * spread, (error, spread)

@@ -1,0 +1,204 @@
+"""Robust aggregation benchmark: one insider of four sends something else than its pseudo-gradient.
+
+Two parts, in one go:
+
+* **Simulated** (``bench/simulate.py``: p2ptrain's DiLoCo, model, data and aggregator in one process, one
+  group of four): every attack of ``bench/tamper.py`` against the plain mean and against CenteredClip,
+  and the attack-free run under each.
+* **Real peers**: four `p2ptrain join` processes with a swarm key on 127.0.0.1, one of them
+  ``python -m bench.tamper ATTACK join ...`` (a real peer that trains its shard but sends ATTACK(delta)).
+  The attack-free swarm, then the attacked one under CenteredClip, then under the plain mean.
+
+Reported: the final validation loss of an honest peer's model, and its ratio to the attack-free run's.
+
+    python -m bench.robustness [--config configs/default.yaml] [--only-sim] [--real-attacks sign_flip_x10]
+
+Writes the ``robust_aggregation`` part of bench/results/verification.json and the robustness table in
+docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from bench.report import DOC, merge_results, replace_block
+from bench.simulate import simulate
+from bench.tamper import ATTACKS
+from p2ptrain.config import load_config
+from p2ptrain.evaluation import Evaluator
+from p2ptrain.localswarm import LOOPBACK, PeerProcess
+from p2ptrain.membership import generate_swarm_key
+
+ROOT = Path(__file__).resolve().parent.parent
+PEERS = 4
+AGGREGATORS = ("mean", "centered_clip")
+WHAT = {
+    "none": "no attacker",
+    "sign_flip_x10": "-10 × its pseudo-gradient",
+    "x10": "10 × its pseudo-gradient",
+    "noise": "noise, 10 × the pseudo-gradient's norm",
+    "zero": "zeros (a free rider)",
+}
+
+
+def simulated(config: Path) -> dict:
+    runs: dict[str, dict] = {}
+    for aggregator in AGGREGATORS:
+        cfg = load_config(config, {"averaging": {"aggregator": aggregator}})
+        for attack in ["none", *ATTACKS]:
+            t0 = time.monotonic()
+            out = simulate(cfg, PEERS, None if attack == "none" else attack)
+            runs[f"{aggregator}/{attack}"] = {
+                "aggregator": aggregator,
+                "attack": attack,
+                "final_val_loss": out["val_loss"],
+                "wall_s": round(time.monotonic() - t0, 1),
+            }
+            print(json.dumps(runs[f"{aggregator}/{attack}"]), flush=True)
+    return runs
+
+
+def real(config: Path, attack: str, aggregator: str, workdir: Path) -> dict:
+    """Four `p2ptrain join` peers, the last of them hostile unless ``attack`` is none."""
+    shutil.rmtree(workdir, ignore_errors=True)
+    workdir.mkdir(parents=True)
+    key = workdir / "swarm.key"
+    generate_swarm_key(key)
+    base = ["join", "--config", str(config), "--host-maddrs", LOOPBACK, "--log-format", "json"]
+    base += ["--key-file", str(key)]
+    for item in [
+        f"run.run_id=robust-{attack}-{aggregator}-{int(time.time())}",
+        f"swarm.min_peers={PEERS}",
+        f"averaging.target_group_size={PEERS}",
+        f"averaging.aggregator={aggregator}",
+        "device.num_threads=1",
+    ]:
+        base += ["--set", item]
+    peers: list[PeerProcess] = []
+    t0 = time.monotonic()
+    try:
+        first = None
+        for i in range(PEERS):
+            args = base + ["--set", f"checkpoint.dir={workdir / f'peer{i}'}"]
+            args += ["--initial-peers", first] if first else []
+            hostile = attack != "none" and i == PEERS - 1
+            peers.append(
+                PeerProcess(
+                    [attack, *args] if hostile else args,
+                    workdir / f"peer{i}.log",
+                    index=i,
+                    module="bench.tamper" if hostile else "p2ptrain",
+                )
+            )
+            if first is None:
+                first = peers[0].wait_for_maddr(timeout_s=90)
+        codes = [p.wait(timeout_s=1800) for p in peers]
+    finally:
+        for p in peers:
+            p.stop()
+    wall_s = time.monotonic() - t0
+    honest = range(PEERS - 1 if attack != "none" else PEERS)
+    evaluator = Evaluator()
+    losses, hashes = [], set()
+    for i in honest:
+        final = workdir / f"peer{i}" / "final.safetensors"
+        if final.exists():
+            loaded, metrics = evaluator.file(final)
+            losses.append(metrics["val_loss"])
+            hashes.add(loaded.params_sha256())
+    steps = [e for i in honest for e in peers[i].outer_steps()]
+    return {
+        "aggregator": aggregator,
+        "attack": attack,
+        "exit_codes": codes,
+        "final_val_loss": max(losses) if len(losses) == len(honest) else None,
+        "honest_params_identical": len(losses) == len(honest) and len(hashes) == 1,
+        "mean_group_size": round(sum(int(e.get("group_size", 0)) for e in steps) / max(len(steps), 1), 2),
+        "wall_s": round(wall_s, 1),
+    }
+
+
+def ratio(loss: float | None, base: float | None) -> str:
+    return "—" if loss is None or base is None else f"{loss / base:.3f}"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--config", type=Path, default=ROOT / "configs" / "default.yaml")
+    parser.add_argument("--real-attacks", default="sign_flip_x10", help="comma-separated, or empty")
+    parser.add_argument("--only-sim", action="store_true")
+    args = parser.parse_args(argv)
+    config = args.config.resolve()
+
+    sim = simulated(config)
+    runs: dict[str, dict] = {}
+    if not args.only_sim:
+        logs = ROOT / "runs" / "bench-robustness"
+        plan = [("none", "centered_clip")]
+        for attack in [a for a in args.real_attacks.split(",") if a]:
+            plan += [(attack, "centered_clip"), (attack, "mean")]
+        for attack, aggregator in plan:
+            runs[f"{aggregator}/{attack}"] = r = real(
+                config, attack, aggregator, logs / f"{aggregator}-{attack}"
+            )
+            print(json.dumps(r), flush=True)
+
+    cfg = load_config(config)
+    result = {
+        "experiment": {
+            "config": str(config.relative_to(ROOT)) if config.is_relative_to(ROOT) else str(config),
+            "rounds": cfg.outer.num_rounds,
+            "inner_steps": cfg.inner.num_inner_steps,
+            "peers": PEERS,
+            "attackers": 1,
+            "clip_radius": cfg.averaging.clip_radius,
+        },
+        "machine": {"cpus": torch.get_num_threads(), "platform": platform.platform()},
+        "simulated": sim,
+        "real": runs,
+    }
+    merge_results("verification.json", "robust_aggregation", result)
+
+    rows = [
+        "| the hostile peer (1 of 4) sends | simulated: mean | simulated: centered_clip "
+        "| real peers: mean | real peers: centered_clip |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
+    base = {a: sim[f"{a}/none"]["final_val_loss"] for a in AGGREGATORS}
+    real_base = runs.get("centered_clip/none", {}).get("final_val_loss")
+    for attack in ["none", *ATTACKS]:
+        cells = []
+        for aggregator in AGGREGATORS:
+            loss = sim[f"{aggregator}/{attack}"]["final_val_loss"]
+            cells.append(f"{loss:.3f} ({ratio(loss, base['mean'])})")
+        for aggregator in AGGREGATORS:
+            r = runs.get(f"{aggregator}/{attack}")
+            if r is None:
+                cells.append("")
+            elif r["final_val_loss"] is None or not r["honest_params_identical"]:
+                cells.append(f"exit {r['exit_codes']}")
+            else:
+                cells.append(f"{r['final_val_loss']:.3f} ({ratio(r['final_val_loss'], real_base)})")
+        rows.append(f"| {WHAT[attack]} | " + " | ".join(cells) + " |")
+    rows.append("")
+    rows.append(
+        f"Final validation loss of an honest peer's model ({cfg.outer.num_rounds} rounds of "
+        f"{cfg.inner.num_inner_steps} inner steps of {result['experiment']['config']}, 4 peers in one group), "
+        "and in brackets its ratio to the attack-free run (simulated: under the mean; real peers: under "
+        f"centered_clip). clip_radius {cfg.averaging.clip_radius}."
+    )
+    replace_block("robustness", rows, DOC)
+    print("\n".join(rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,118 @@
+"""How a reducer combines its groupmates' parts of the pseudo-gradient: robustly, by default.
+
+A plain weighted mean lets one groupmate move the average anywhere: a peer that sends ten times its
+pseudo-gradient with the sign flipped (finite, well shaped, a plausible weight: every check of
+``averaging.part_problem`` passes) makes a simulated four-peer DiLoCo diverge. CenteredClip (Karimireddy,
+He and Jaggi, "Learning from History for Byzantine Robust Optimization", 2021; the aggregator of BTARD)
+bounds what any one part can do: it looks for the point ``v`` where
+
+    sum_i w_i * clip(x_i - v, tau) = 0,        clip(d, tau) = d * min(1, tau / ||d||),
+
+so a part far from the others pulls ``v`` by at most ``tau`` times its share of the weight. When no part is
+farther than ``tau`` from the result, that point is exactly the weighted mean: with ``tau`` well above the
+honest spread, robustness costs honest groups nothing.
+
+``tau`` is not a fixed constant (the scale of pseudo-gradients changes over a run by orders of magnitude):
+it is ``clip_radius`` times the median distance of the parts from their coordinate-wise median, measured
+afresh for every part. A minority of attackers cannot raise it, since the median distance is an honest
+peer's. Nothing here helps a group of two: with no majority there is nothing to tell which one is right
+(the median of two is their mean, and so is the result).
+
+Pure functions of tensors: the reducer (``averaging.py``), the in-memory swarm of the tests and the
+benchmarks all call these.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+
+from p2ptrain.config import AveragingConfig
+
+Aggregate = Callable[[Sequence[torch.Tensor], Sequence[float]], torch.Tensor]
+"""Combine parts of one shape, with their weights, into one part of that shape."""
+
+MAX_ITERS = 50
+"""CenteredClip's fixed-point iterations at most; it usually settles in a few."""
+
+
+_FLOAT32_MAX = torch.finfo(torch.float32).max
+
+# Both aggregates are computed in float64 and returned in float32, always finite. A groupmate may send
+# finite float32 values near the format's limit: summed or squared in float32 they overflow, and a reducer
+# whose answer is not finite is blamed for it by everyone in the group (averaging.part_problem).
+
+
+def weighted_mean(parts: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
+    total = float(sum(weights))
+    out = torch.zeros_like(parts[0], dtype=torch.float64)
+    for part, weight in zip(parts, weights):
+        out.add_(part.double(), alpha=weight)
+    return out.div_(total).clamp_(-_FLOAT32_MAX, _FLOAT32_MAX).float()
+
+
+def coordinate_median(parts: Sequence[torch.Tensor] | torch.Tensor) -> torch.Tensor:
+    """The median of each coordinate (the mean of the two middle values for an even count), in float64.
+    ``parts``: tensors of one shape, or one tensor stacking them along its first dimension."""
+    ordered = torch.stack([p.double() for p in parts]).sort(dim=0).values
+    n = len(parts)
+    return (ordered[(n - 1) // 2] + ordered[n // 2]) / 2
+
+
+def centered_clip(
+    parts: Sequence[torch.Tensor],
+    weights: Sequence[float],
+    *,
+    clip_radius: float = 2.0,
+    reject_radius: float = math.inf,
+) -> torch.Tensor:
+    """The CenteredClip aggregate of ``parts`` (same shape, finite) with positive ``weights``.
+
+    Starts at the coordinate-wise median; parts farther from it than ``reject_radius`` times the median
+    distance of the parts from it are left out, and the rest are clipped at ``clip_radius`` times that
+    distance. Deterministic: the same inputs give the same bits.
+    """
+    if not parts:
+        raise ValueError("nothing to aggregate")
+    if len(parts) != len(weights):
+        raise ValueError(f"{len(parts)} parts but {len(weights)} weights")
+    xs = torch.stack([p.double().reshape(-1) for p in parts])
+    v = coordinate_median(xs)
+    distances = torch.linalg.vector_norm(xs - v, dim=1)
+    spread = _median(distances)
+    tau = clip_radius * spread
+    if tau == 0.0:  # most parts are equal: that value is the answer
+        return v.float().reshape(parts[0].shape)
+    # A part far beyond the others' spread is no pseudo-gradient of this round: it gets no weight at all
+    # (clipped, it would still pull the result by tau times its share, round after round).
+    kept = distances <= reject_radius * spread  # at least half the parts: the median distance is <= itself
+    xs = xs[kept]
+    w = torch.tensor([float(x) for x in weights], dtype=torch.float64)[kept]
+    share = w / w.sum()
+    for _ in range(MAX_ITERS):
+        offsets = xs - v
+        norms = torch.linalg.vector_norm(offsets, dim=1)
+        scale = torch.clamp(tau / torch.clamp(norms, min=1e-30), max=1.0)
+        step = (share * scale) @ offsets
+        v = v + step
+        if float(torch.linalg.vector_norm(step)) <= 1e-6 * tau:
+            break
+    return v.float().reshape(parts[0].shape)
+
+
+def _median(values: torch.Tensor) -> float:
+    """The median of a 1-D tensor (torch's is the lower middle value of an even count; this is their mean)."""
+    ordered = values.sort().values
+    n = len(ordered)
+    return float((ordered[(n - 1) // 2] + ordered[n // 2]) / 2)
+
+
+def aggregator(cfg: AveragingConfig) -> Aggregate:
+    """The aggregate function of ``averaging.aggregator``, with its radii."""
+    if cfg.aggregator == "mean":
+        return weighted_mean
+    return lambda parts, weights: centered_clip(
+        parts, weights, clip_radius=cfg.clip_radius, reject_radius=cfg.reject_radius
+    )
