@@ -69,7 +69,7 @@ def simulate(cfg, peers: int, attack: str | None = None) -> dict:
         group.pending = [(d, 1.0) for d in deltas]
         # Tensor by tensor, as hivemind's reducers do when every tensor fits in one part (under int8 a part
         # holds up to 516,096 values; the largest tensor of gpt-micro has 65,536).
-        group.result = [aggregate(ts, [1.0] * peers) for ts in zip(*deltas)]
+        group.result = [aggregate(ts, [1.0] * peers).tensor for ts in zip(*deltas)]
         for o in outer:
             o.sync(group, weight=1.0, round=r)
         curve.append(evaluate(models[0], corpus, cfg, torch.device("cpu"))["val_loss"])

@@ -26,12 +26,22 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
 from p2ptrain.config import AveragingConfig
 
-Aggregate = Callable[[Sequence[torch.Tensor], Sequence[float]], torch.Tensor]
+
+@dataclass(frozen=True)
+class Aggregated:
+    tensor: torch.Tensor
+    """The aggregate: float32, finite, of the parts' shape."""
+    left_out: tuple[int, ...] = ()
+    """Indices of the parts that got no weight (farther than ``reject_radius`` spreads from the median)."""
+
+
+Aggregate = Callable[[Sequence[torch.Tensor], Sequence[float]], Aggregated]
 """Combine parts of one shape, with their weights, into one part of that shape."""
 
 MAX_ITERS = 50
@@ -53,6 +63,11 @@ def weighted_mean(parts: Sequence[torch.Tensor], weights: Sequence[float]) -> to
     return out.div_(total).clamp_(-_FLOAT32_MAX, _FLOAT32_MAX).float()
 
 
+def mean(parts: Sequence[torch.Tensor], weights: Sequence[float]) -> Aggregated:
+    """The weighted mean as an :data:`Aggregate`: it leaves nothing out."""
+    return Aggregated(weighted_mean(parts, weights))
+
+
 def coordinate_median(parts: Sequence[torch.Tensor] | torch.Tensor) -> torch.Tensor:
     """The median of each coordinate (the mean of the two middle values for an even count), in float64.
     ``parts``: tensors of one shape, or one tensor stacking them along its first dimension."""
@@ -67,7 +82,7 @@ def centered_clip(
     *,
     clip_radius: float = 2.0,
     reject_radius: float = math.inf,
-) -> torch.Tensor:
+) -> Aggregated:
     """The CenteredClip aggregate of ``parts`` (same shape, finite) with positive ``weights``.
 
     Starts at the coordinate-wise median; parts farther from it than ``reject_radius`` times the median
@@ -84,7 +99,7 @@ def centered_clip(
     spread = _median(distances)
     tau = clip_radius * spread
     if tau == 0.0:  # most parts are equal: that value is the answer
-        return v.float().reshape(parts[0].shape)
+        return Aggregated(v.float().reshape(parts[0].shape), _indices(distances > 0))
     # A part far beyond the others' spread is no pseudo-gradient of this round: it gets no weight at all
     # (clipped, it would still pull the result by tau times its share, round after round).
     kept = distances <= reject_radius * spread  # at least half the parts: the median distance is <= itself
@@ -99,7 +114,11 @@ def centered_clip(
         v = v + step
         if float(torch.linalg.vector_norm(step)) <= 1e-6 * tau:
             break
-    return v.float().reshape(parts[0].shape)
+    return Aggregated(v.float().reshape(parts[0].shape), _indices(~kept))
+
+
+def _indices(mask: torch.Tensor) -> tuple[int, ...]:
+    return tuple(int(i) for i in mask.nonzero().flatten())
 
 
 def _median(values: torch.Tensor) -> float:
@@ -112,7 +131,7 @@ def _median(values: torch.Tensor) -> float:
 def aggregator(cfg: AveragingConfig) -> Aggregate:
     """The aggregate function of ``averaging.aggregator``, with its radii."""
     if cfg.aggregator == "mean":
-        return weighted_mean
+        return mean
     return lambda parts, weights: centered_clip(
         parts, weights, clip_radius=cfg.clip_radius, reject_radius=cfg.reject_radius
     )

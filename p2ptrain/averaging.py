@@ -35,6 +35,7 @@ import threading
 import time
 import typing
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
@@ -55,7 +56,7 @@ from hivemind.utils.asyncio import (
     azip,
 )
 
-from p2ptrain.aggregation import Aggregate, aggregator, weighted_mean
+from p2ptrain.aggregation import Aggregate, aggregator, mean
 from p2ptrain.compression import deserialize
 from p2ptrain.config import AveragingConfig
 from p2ptrain.diloco import AverageResult, AveragingFailed
@@ -94,7 +95,7 @@ class ExactAllReduceRunner(AllReduceRunner):
         tensors: Sequence[torch.Tensor],
         peer_fractions,
         max_weight: float = math.inf,
-        aggregate: Aggregate = weighted_mean,
+        aggregate: Aggregate = mean,
         on_fault: Callable[[PeerID, Fault, str], None] | None = None,
         on_part_served: Callable[[], None] | None = None,
         **kwargs,
@@ -274,6 +275,8 @@ class RobustPartReducer(TensorPartReducer):
 
     def __init__(self, part_shapes: Sequence[torch.Size], num_senders: int, *, aggregate: Aggregate):
         self._aggregate = aggregate
+        self.parts_left_out: dict[int, int] = {}
+        """How many of each sender's parts the aggregate left out, by sender index."""
         super().__init__(part_shapes, num_senders)
 
     async def accumulate_part(
@@ -299,7 +302,22 @@ class RobustPartReducer(TensorPartReducer):
         self.current_part_future: asyncio.Future = asyncio.Future()
         self.reset_accumulators()
         work = asyncio.get_event_loop().run_in_executor(None, collected.aggregate, self._aggregate)
-        work.add_done_callback(lambda done: _settle(result, done))
+        work.add_done_callback(lambda done: self._settle(result, done))
+
+    def _settle(self, future: asyncio.Future, done: asyncio.Future) -> None:
+        """Pass a finished aggregate (or its error, so that nobody waits for it forever) to the part's
+        senders, and count the senders whose part it left out."""
+        if future.done():  # the all-reduce was cancelled meanwhile
+            return
+        if done.cancelled():
+            future.cancel()
+        elif done.exception() is not None:
+            future.set_exception(typing.cast(BaseException, done.exception()))
+        else:
+            tensor, left_out = done.result()
+            for sender in left_out:
+                self.parts_left_out[sender] = self.parts_left_out.get(sender, 0) + 1
+            future.set_result(tensor)
 
 
 class _Sent(typing.NamedTuple):
@@ -316,22 +334,24 @@ class _Collected:
     def add_(self, sent: _Sent, *, alpha: float) -> None:
         self._sent.append((sent.sender, sent.part, alpha))
 
-    def aggregate(self, aggregate: Aggregate) -> torch.Tensor:
+    def aggregate(self, aggregate: Aggregate) -> tuple[torch.Tensor, list[int]]:
+        """The aggregate, and the senders whose part it left out."""
         # Our own part always reaches our own reducer (we are never dropped by ourselves): there is one at least.
         ordered = sorted(self._sent, key=lambda item: item[0])
-        return aggregate([part for _, part, _ in ordered], [weight for _, _, weight in ordered])
+        out = aggregate([part for _, part, _ in ordered], [weight for _, _, weight in ordered])
+        return out.tensor, [ordered[i][0] for i in out.left_out]
 
 
-def _settle(future: asyncio.Future, done: asyncio.Future) -> None:
-    """Pass a finished aggregate (or its error, so that nobody waits for it forever) to the part's senders."""
-    if future.done():  # the all-reduce was cancelled meanwhile
-        return
-    if done.cancelled():
-        future.cancel()
-    elif done.exception() is not None:
-        future.set_exception(typing.cast(BaseException, done.exception()))
-    else:
-        future.set_result(done.result())
+@dataclass
+class _Outcome:
+    """What the averager child tells the trainer about its last all-reduce, besides the average."""
+
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    dropped: list[str] = field(default_factory=list)
+    """Senders our reducer dropped (they stalled, or sent nothing we could use): not in this average."""
+    outliers: dict[str, int] = field(default_factory=dict)
+    """Groupmates whose parts our reducer's aggregate left out, and how many parts."""
 
 
 class Fault(str, Enum):
@@ -435,7 +455,7 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
         state_provider: Callable[[], tuple[dict, list[torch.Tensor]]],
         max_weight: float = math.inf,
         max_state_bytes: float = math.inf,
-        aggregate: Aggregate = weighted_mean,
+        aggregate: Aggregate = mean,
         **kwargs,
     ):
         self._watched_parent_pid = os.getpid()
@@ -592,7 +612,7 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
         )
 
     async def _aggregate_with_group(self, group_info, min_vector_size: int, **kwargs):
-        self._last_allreduce: tuple[int, int, list[str]] = (0, 0, [])
+        self._last_allreduce = _Outcome()
         # A group that another leader formed may hold a peer we left out: never average with it.
         excluded = [p for p in group_info.peer_ids if self._left_out_now(p)]
         if excluded:
@@ -604,8 +624,7 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
             gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
         finally:
             self._groupmates.pop(group_info.group_id, None)
-        sent, received, left_out = self._last_allreduce
-        return {"gathered": gathered, "bytes_sent": sent, "bytes_received": received, "left_out": left_out}
+        return {"gathered": gathered, "outcome": self._last_allreduce}
 
     async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs):
         group_id = group_info.group_id if group_id is None else group_id
@@ -626,9 +645,15 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
             return
         async for tensor, averaged in azip(as_aiter(*tensors), runner):
             tensor.copy_(averaged)
-        # Senders our reducer left out (they stalled, or sent nothing we could use): not in this average.
-        left_out = sorted(p.to_base58() for p in runner.banned_senders)
-        self._last_allreduce = (runner.bytes_sent, runner.bytes_received, left_out)
+        self._last_allreduce = _Outcome(
+            runner.bytes_sent,
+            runner.bytes_received,
+            dropped=sorted(p.to_base58() for p in runner.banned_senders),
+            outliers={
+                runner.sender_peer_ids[sender].to_base58(): parts
+                for sender, parts in runner.tensor_part_reducer.parts_left_out.items()
+            },
+        )
         if runner.tensor_part_container.failed_size:
             raise AllreduceException(
                 f"a reducer left mid-way; {runner.tensor_part_container.failed_size} values were not averaged"
@@ -794,13 +819,15 @@ class SwarmAverager:
             with self._averager.get_tensors() as buffers:
                 averaged = [b.clone() for b in buffers]
             peers = sorted(str(g.get("peer", "?"))[:128] for g in infos)
-            contributors = [p for p in peers if p not in out["left_out"]]
+            outcome: _Outcome = out["outcome"]
+            contributors = [p for p in peers if p not in outcome.dropped]
             return AverageResult(
                 tensors=averaged,
                 group_size=len(contributors),
-                bytes_sent=out["bytes_sent"],
-                bytes_received=out["bytes_received"],
+                bytes_sent=outcome.bytes_sent,
+                bytes_received=outcome.bytes_received,
                 peers=contributors,
+                outliers=outcome.outliers,
             )
         reason = (
             "no_group"

@@ -42,6 +42,9 @@ class AverageResult:
     bytes_sent: int = 0
     bytes_received: int = 0
     peers: list[str] = field(default_factory=list)
+    outliers: dict[str, int] = field(default_factory=dict)
+    """Groupmates whose parts of the pseudo-gradient this peer's reducer left out of the aggregate (robust
+    aggregation), and how many parts: each reducer sees only its own slice."""
 
 
 class Averager(Protocol):
@@ -71,6 +74,8 @@ class OuterStepReport:
     bytes_received: int = 0
     peers: list[str] = field(default_factory=list)
     """The group's peer ids, when it averaged with one."""
+    outliers: dict[str, int] = field(default_factory=dict)
+    """Groupmates whose parts our reducer left out of the aggregate (``AverageResult.outliers``)."""
 
 
 @dataclass
@@ -195,6 +200,7 @@ class DiLoCo:
             bytes_sent=result.bytes_sent,
             bytes_received=result.bytes_received,
             peers=list(result.peers),
+            outliers=dict(result.outliers),
         )
 
     def check_average(self, tensors: Sequence[torch.Tensor]) -> str | None:

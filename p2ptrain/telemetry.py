@@ -120,6 +120,12 @@ GROUP_SIZE = Gauge(
     "Peers in this peer's last all-reduce group (1: it stepped alone).",
     registry=PEER,
 )
+OUTLIER_PARTS = Counter(
+    "p2ptrain_averaging_outlier_parts",
+    "Parts of groupmates' pseudo-gradients that this peer's reducer left out of the aggregate (far beyond "
+    "the others' spread: averaging.reject_radius).",
+    registry=PEER,
+)
 ROUND = Gauge("p2ptrain_round", "The outer round this peer is in.", registry=PEER)
 STATE_LOADS = Counter(
     "p2ptrain_state_loads", "Swarm states this peer downloaded from other peers.", registry=PEER
@@ -195,6 +201,7 @@ def observe_outer_step(
     SYNC_DURATION.observe(sync_s)
     AVERAGING_SENT.inc(report.bytes_sent)
     AVERAGING_RECEIVED.inc(report.bytes_received)
+    OUTLIER_PARTS.inc(sum(report.outliers.values()))
     GROUP_SIZE.set(report.group_size)
     VALIDATION_LOSS.set(val_loss)
     ROUND.set(round)

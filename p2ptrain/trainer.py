@@ -446,6 +446,13 @@ class Trainer:
                 "pseudo-gradient has NaN or Inf: not sent, this round's local work dropped, state kept",
                 round=report.round,
             )
+        if report.outliers:
+            self.log.warning(
+                "left groupmates' parts out of the aggregate: far beyond the others' spread",
+                round=report.round,
+                parts_by_peer=report.outliers,
+                hint="a broken or hostile peer, or one of another run or config (averaging.reject_radius)",
+            )
         duration = time.monotonic() - stats.started  # the round itself, before this peer's evaluation
         val_loss = evaluate(self.model, self.corpus, self.cfg, self.device)["val_loss"]
         self.val_losses.append((self.round, val_loss))
@@ -460,6 +467,7 @@ class Trainer:
             val_loss=round(val_loss, 4),
             samples=stats.samples,
             group_size=report.group_size,
+            outlier_parts=sum(report.outliers.values()),
             fallback=report.failure,
             bytes_sent=report.bytes_sent,
             bytes_received=report.bytes_received,

@@ -382,7 +382,9 @@ class MemorySwarm:
             # The reducers' aggregate, tensor by tensor: hivemind's parts, when every tensor fits in one part.
             aggregate = aggregator(members[0][0].cfg.averaging)
             weights = [w for _, _, w in members]
-            average = [aggregate([t[i] for _, t, _ in members], weights) for i in range(len(members[0][1]))]
+            average = [
+                aggregate([t[i] for _, t, _ in members], weights).tensor for i in range(len(members[0][1]))
+            ]
             codec = members[0][0].codec  # every member decodes the same bytes: one result for all
             result = AverageResult(
                 tensors=[roundtrip(codec, a) for a in average], group_size=len(members), peers=ids

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from p2ptrain.aggregation import centered_clip, coordinate_median, weighted_mean
+from p2ptrain.aggregation import centered_clip, coordinate_median, mean, weighted_mean
 
 
 def honest_parts(n: int, size: int = 4096, spread: float = 0.5, seed: int = 0) -> list[torch.Tensor]:
@@ -15,6 +15,10 @@ def honest_parts(n: int, size: int = 4096, spread: float = 0.5, seed: int = 0) -
     return [direction + spread * torch.randn(size, generator=gen) for _ in range(n)]
 
 
+def clip(parts, weights, **radii) -> torch.Tensor:
+    return centered_clip(parts, weights, **radii).tensor
+
+
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
 
@@ -22,14 +26,14 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_an_honest_group_gets_its_weighted_mean():
     parts = honest_parts(4)
     weights = [40.0, 40.0, 20.0, 40.0]
-    assert rel(centered_clip(parts, weights), weighted_mean(parts, weights)) < 1e-5
+    assert rel(clip(parts, weights), weighted_mean(parts, weights)) < 1e-5
 
 
 @pytest.mark.parametrize("n", [1, 2])
 def test_with_no_majority_it_is_the_mean(n):
     parts = honest_parts(n)
     parts[-1] = -10 * parts[-1]  # nobody can tell which of two is right
-    assert rel(centered_clip(parts, [1.0] * n), weighted_mean(parts, [1.0] * n)) < 1e-5
+    assert rel(clip(parts, [1.0] * n), weighted_mean(parts, [1.0] * n)) < 1e-5
 
 
 @pytest.mark.parametrize(
@@ -48,14 +52,14 @@ def test_one_attacker_of_four_moves_the_result_by_at_most_the_honest_spread(atta
     parts[3] = attack(parts[3])
     weights = [1.0] * 4
     assert rel(weighted_mean(parts, weights), honest) > 2 * spread  # the plain mean is taken
-    assert rel(centered_clip(parts, weights), honest) < spread  # CenteredClip is not
+    assert rel(clip(parts, weights), honest) < spread  # CenteredClip is not
 
 
 def test_a_smaller_radius_clips_harder():
     parts = honest_parts(4)
     honest = weighted_mean(parts[:3], [1.0] * 3)
     parts[3] = -10 * parts[3]
-    errors = [rel(centered_clip(parts, [1.0] * 4, clip_radius=r), honest) for r in (0.5, 2.0, 8.0)]
+    errors = [rel(clip(parts, [1.0] * 4, clip_radius=r), honest) for r in (0.5, 2.0, 8.0)]
     assert errors == sorted(errors)
 
 
@@ -67,7 +71,7 @@ def test_a_claimed_weight_buys_influence_in_proportion_so_weights_are_capped():
     parts[3] = -10 * parts[3]
     clipped, plain = [], []
     for w in (0.5, 1.0, 2.0):
-        clipped.append(rel(centered_clip(parts, [1.0, 1.0, 1.0, w]), honest))
+        clipped.append(rel(clip(parts, [1.0, 1.0, 1.0, w]), honest))
         plain.append(rel(weighted_mean(parts, [1.0, 1.0, 1.0, w]), honest))
     assert clipped == sorted(clipped)
     assert all(c < p / 5 for c, p in zip(clipped, plain))
@@ -75,7 +79,7 @@ def test_a_claimed_weight_buys_influence_in_proportion_so_weights_are_capped():
 
 def test_equal_majority_wins_outright_and_shapes_are_kept():
     same = torch.arange(12, dtype=torch.float32).reshape(3, 4)
-    out = centered_clip([same, same.clone(), same * -50], [1.0, 1.0, 1.0])
+    out = clip([same, same.clone(), same * -50], [1.0, 1.0, 1.0])
     assert out.shape == (3, 4)
     assert torch.equal(out, same)
 
@@ -83,8 +87,8 @@ def test_equal_majority_wins_outright_and_shapes_are_kept():
 def test_it_is_deterministic():
     parts = honest_parts(5)
     parts[0] = parts[0] * 30
-    a = centered_clip(parts, [1.0] * 5)
-    b = centered_clip([p.clone() for p in parts], [1.0] * 5)
+    a = clip(parts, [1.0] * 5)
+    b = clip([p.clone() for p in parts], [1.0] * 5)
     assert torch.equal(a, b)
 
 
@@ -100,9 +104,9 @@ def test_coordinate_median_of_an_even_count_is_the_mean_of_the_middle_two():
 
 def test_bad_calls_are_refused_by_name():
     with pytest.raises(ValueError, match="nothing to aggregate"):
-        centered_clip([], [])
+        clip([], [])
     with pytest.raises(ValueError, match="2 parts but 1 weights"):
-        centered_clip(honest_parts(2), [1.0])
+        clip(honest_parts(2), [1.0])
 
 
 def test_the_reducer_hands_every_sender_the_aggregate_of_every_senders_part():
@@ -112,41 +116,45 @@ def test_the_reducer_hands_every_sender_the_aggregate_of_every_senders_part():
     from p2ptrain.averaging import RobustPartReducer
 
     shapes = [torch.Size([1000]), torch.Size([5])]
-    senders = [honest_parts(2, size=1005, seed=s) for s in range(4)]
-    senders = [[torch.cat([a, b])[:1000], torch.cat([a, b])[1000:]] for a, b in senders]
+    senders = [[x[:1000], x[1000:]] for x in honest_parts(4, size=1005)]
     senders[3] = [-10 * t for t in senders[3]]
+    aggregate = lambda parts, weights: centered_clip(parts, weights, reject_radius=4.0)  # noqa: E731
     weights = [1.0, 2.0, 1.0, 1.0]
 
     async def send(reducer, i):
         return [await reducer.accumulate_part(i, k, senders[i][k], weight=weights[i]) for k in range(2)]
 
+    reducer = None
+
     async def run():
-        reducer = RobustPartReducer(shapes, len(senders), aggregate=centered_clip)
+        nonlocal reducer
+        reducer = RobustPartReducer(shapes, len(senders), aggregate=aggregate)
         return await asyncio.gather(*(send(reducer, i) for i in reversed(range(4))))
 
     got = asyncio.run(run())
     for k in range(2):
         # The same tensor for every sender, whatever order the parts came in.
-        expected = centered_clip([s[k] for s in senders], weights)
+        expected = aggregate([s[k] for s in senders], weights).tensor
         assert all(torch.equal(got[i][k], expected) for i in range(4))
+    assert reducer.parts_left_out == {3: 2}  # both parts of the sign-flipper, by its sender index
 
 
 def test_a_part_far_beyond_the_spread_gets_no_weight_at_all():
     parts = honest_parts(4)
     honest = weighted_mean(parts[:3], [1.0] * 3)
     parts[3] = -10 * parts[3]
-    clipped = centered_clip(parts, [1.0] * 4)
-    rejected = centered_clip(parts, [1.0] * 4, reject_radius=4.0)
-    torch.testing.assert_close(rejected, centered_clip(parts[:3], [1.0] * 3))
+    clipped = clip(parts, [1.0] * 4)
+    rejected = clip(parts, [1.0] * 4, reject_radius=4.0)
+    torch.testing.assert_close(rejected, clip(parts[:3], [1.0] * 3))
+    assert centered_clip(parts, [1.0] * 4, reject_radius=4.0).left_out == (3,)
     assert rel(rejected, honest) < rel(clipped, honest)
     # An honest group loses nobody.
     honest4 = honest_parts(4, seed=3)
-    torch.testing.assert_close(
-        centered_clip(honest4, [1.0] * 4, reject_radius=4.0), weighted_mean(honest4, [1.0] * 4)
-    )
+    assert centered_clip(honest4, [1.0] * 4, reject_radius=4.0).left_out == ()
+    torch.testing.assert_close(clip(honest4, [1.0] * 4, reject_radius=4.0), weighted_mean(honest4, [1.0] * 4))
 
 
-@pytest.mark.parametrize("aggregate", [weighted_mean, centered_clip], ids=["mean", "centered_clip"])
+@pytest.mark.parametrize("aggregate", [weighted_mean, clip], ids=["mean", "centered_clip"])
 def test_values_near_float32s_limit_never_make_the_reducers_answer_non_finite(aggregate):
     # Summed or squared in float32 they would overflow, and the group would blame the (honest) reducer.
     parts = honest_parts(3)
@@ -164,7 +172,7 @@ def test_the_reducer_goes_on_without_a_dropped_sender_and_never_hangs_on_a_faile
     parts = [[torch.full((10,), float(i + k)) for k in range(2)] for i in range(3)]
 
     async def dropped_after_one_part():
-        reducer = RobustPartReducer(shapes, 3, aggregate=weighted_mean)
+        reducer = RobustPartReducer(shapes, 3, aggregate=mean)
 
         async def sender(i):
             out = [await reducer.accumulate_part(i, 0, parts[i][0])]

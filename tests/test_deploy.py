@@ -110,6 +110,7 @@ def test_dashboard_uses_only_defined_metrics_and_shows_what_matters():
         "p2ptrain_averaging_sent_bytes_total",
         "p2ptrain_outer_step_failures_total",
         "p2ptrain_outer_step_duration_seconds_bucket",
+        "p2ptrain_averaging_outlier_parts_total",
     ):
         assert needed in names
 

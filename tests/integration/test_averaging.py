@@ -297,10 +297,10 @@ def test_a_groupmate_that_stalls_costs_one_timeout_and_the_round_is_averaged_wit
 
 
 @pytest.mark.parametrize("aggregator", ["centered_clip", "mean"])
-def test_a_groupmate_sending_ten_times_its_flipped_pseudo_gradient_is_clipped(swarm_of, aggregator):
+def test_a_groupmate_sending_ten_times_its_flipped_pseudo_gradient_is_left_out(swarm_of, aggregator):
     """An insider whose parts pass every check (finite, well shaped, an honest weight) but are -10 times its
-    pseudo-gradient: every reducer clips it, so all four members get the same result, near the honest mean.
-    The plain mean (the control) is taken far from it."""
+    pseudo-gradient: every reducer leaves it out, so all four members get the same result, near the honest
+    mean, and learn who was left out. The plain mean (the control) is taken far from it."""
     shapes = [torch.Size([300_000]), torch.Size([7, 3])]
     averagers = swarm_of(4, compression="none", shapes=shapes, aggregator=aggregator)
     gen = torch.Generator().manual_seed(0)
@@ -321,5 +321,9 @@ def test_a_groupmate_sending_ten_times_its_flipped_pseudo_gradient_is_clipped(sw
     error = float((got - honest).norm() / honest.norm())
     if aggregator == "centered_clip":
         assert error < spread, (error, spread)
+        # Reducers that left the hostile part of their slice out said so (each knows its own slice only), and
+        # nobody else was named.
+        assert set().union(*(r.outliers for r in results)) == {averagers[3].peer_id}
     else:
         assert error > 2 * spread, (error, spread)
+        assert all(r.outliers == {} for r in results)
