@@ -1,0 +1,244 @@
+"""Replica verification benchmark, over recorded pseudo-gradients: does a verdict catch every attack, and
+never an honest replica?
+
+Trains the default experiment's model along a swarm's trajectory (one group of ``--shards`` shards, the
+outer step taken with the honest average) and, at every round, recomputes shard 0 from the round's params
+as a verifiable round does (a fresh AdamW, the lr a function of (round, step), the same data):
+
+* honest replicas: float32 on 1 thread, float32 on 2 threads, bfloat16 autocast;
+* attackers: another shard, lazy (a third of the steps, scaled ×3), poisoned data (the shard's bytes
+  shuffled), stale (last round's pseudo-gradient), zero, sign flip, ×10, noise of the same norm, two
+  colluders with the same wrong pseudo-gradient, and a slow drip (the honest pseudo-gradient plus a fixed
+  bias of 1%, 5% and 20% of its norm).
+
+Each comparison commits, seeds a sketch from the commitments (``verify.sketch_seed``) and asks
+``verify.judge`` about the pair (an honest replica of each class against the attacker), with ``--seeds``
+independent sketches per pair (what another group's commitments would give). Reported per attack:
+comparisons, detections, the distances seen; and for honest pairs the false positives.
+
+    python -m bench.replicas [--rounds 25] [--seeds 4]
+
+Writes the ``replicas`` part of bench/results/verification.json and the replicas table of
+docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from bench.report import DOC, merge_results, replace_block
+from p2ptrain.config import load_config
+from p2ptrain.data import Corpus, load_corpus
+from p2ptrain.diloco import DiLoCo
+from p2ptrain.evaluation import evaluate
+from p2ptrain.inner import inner_lr, inner_step, make_optimizer
+from p2ptrain.models import build_model
+from p2ptrain.verify import Outcome, Report, commitment, judge, refereed, sketch, sketch_seed
+
+ROOT = Path(__file__).resolve().parent.parent
+FP32, BF16 = "cpu/float32", "cpu/bfloat16"
+HONEST = {"fp32_1_thread": (FP32, 1), "fp32_2_threads": (FP32, 2), "bf16": (BF16, 2)}
+
+
+class Replayer:
+    """Recomputes one shard of one round from given params, as a verifiable round does."""
+
+    def __init__(self, cfg, corpus: Corpus, shards: int):
+        self.cfg, self.corpus, self.shards = cfg, corpus, shards
+        self.model = build_model(cfg.model.name, cfg.model.context_length, seed=cfg.run.seed)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+
+    def delta(
+        self,
+        start: list[torch.Tensor],
+        round: int,
+        shard: int,
+        *,
+        dtype: torch.dtype = torch.float32,
+        threads: int = 2,
+        steps: int | None = None,
+        poison: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> list[torch.Tensor]:
+        cfg = self.cfg.inner
+        steps = cfg.num_inner_steps if steps is None else steps
+        torch.set_num_threads(threads)
+        with torch.no_grad():
+            for p, s in zip(self.params, start):
+                p.copy_(s)
+        optimizer = make_optimizer(self.params, cfg)  # fresh each round: replicas start alike
+        starts = self.corpus.shard(seed=self.cfg.run.seed, round=round, rank=shard, world=self.shards)
+        batches = self.corpus.batches(starts, cfg.batch_size)
+        for step in range(steps):
+            x, y = next(batches)
+            if poison is not None:
+                x, y = poison(x), poison(y)
+            # The lr of a verifiable round: a function of (round, step) only.
+            lr = inner_lr(cfg, round * cfg.num_inner_steps + step)
+            inner_step(
+                self.model, self.params, optimizer, x, y, lr=lr, grad_clip=cfg.grad_clip, autocast_dtype=dtype
+            )
+        with torch.no_grad():
+            return [s - p.detach().float() for s, p in zip(start, self.params)]
+
+
+def shuffled(t: torch.Tensor) -> torch.Tensor:
+    """Poisoned data: every sequence's tokens in a fixed random order."""
+    order = torch.randperm(t.shape[-1], generator=torch.Generator().manual_seed(0))
+    return t[..., order]
+
+
+def noise_like(d: list[torch.Tensor], seed: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    noise = [torch.randn(t.shape, generator=gen) for t in d]
+    scale = float(torch.cat([t.reshape(-1) for t in d]).norm()) / float(
+        torch.cat([t.reshape(-1) for t in noise]).norm()
+    )
+    return [n * scale for n in noise]
+
+
+def drip(d: list[torch.Tensor], bias: list[torch.Tensor], fraction: float) -> list[torch.Tensor]:
+    norm = float(torch.cat([t.reshape(-1) for t in d]).norm())
+    return [t + fraction * norm * b for t, b in zip(d, bias)]
+
+
+def run(rounds: int, seeds: int, shards: int) -> dict:
+    cfg = load_config(ROOT / "configs" / "default.yaml")
+    corpus = Corpus.from_bytes(load_corpus(cfg.data), cfg.model.context_length, cfg.data.val_fraction)
+    replayer = Replayer(cfg, corpus, shards)
+    swarm_model = build_model(cfg.model.name, cfg.model.context_length, seed=cfg.run.seed)
+    diloco = DiLoCo(swarm_model, lr=cfg.outer.lr, momentum=cfg.outer.momentum, nesterov=cfg.outer.nesterov)
+    # A fixed direction of unit norm: the drip adds the same bias every round.
+    gen = torch.Generator().manual_seed(12345)
+    bias = [torch.randn(m.shape, generator=gen) for m in diloco.master]
+    unit = float(torch.cat([b.reshape(-1) for b in bias]).norm())
+    bias = [b / unit for b in bias]
+    distances: dict[str, list[float]] = {}
+    detected: dict[str, int] = {}
+    compared: dict[str, int] = {}
+    refereed_ok = {"convicted_right": 0, "runs": 0}
+    previous: list[torch.Tensor] | None = None
+    t0 = time.monotonic()
+
+    def compare(name: str, a: tuple[str, list[torch.Tensor]], b: tuple[str, list[torch.Tensor]], r: int):
+        commits = [commitment(a[1]), commitment(b[1])]
+        for s in range(seeds):
+            seed = sketch_seed(f"bench-{s}", r, commits)
+            reports = [
+                Report("a", a[0], sketch(a[1], seed), 0.0),
+                Report("b", b[0], sketch(b[1], seed), 0.0),
+            ]
+            verdict = judge(reports)
+            distances.setdefault(name, []).append(next(iter(verdict.distances.values())))
+            compared[name] = compared.get(name, 0) + 1
+            detected[name] = detected.get(name, 0) + (verdict.outcome == Outcome.DISSENT)
+
+    for r in range(rounds):
+        start = [m.clone() for m in diloco.master]
+        honest = {
+            name: (cls, replayer.delta(start, r, 0, dtype=getattr(torch, cls.split("/")[1]), threads=threads))
+            for name, (cls, threads) in HONEST.items()
+        }
+        reference = honest["fp32_1_thread"][1]
+        h = cfg.inner.num_inner_steps
+        attacks = {
+            "wrong_shard": replayer.delta(start, r, 1),
+            "lazy_third_x3": [3 * t for t in replayer.delta(start, r, 0, steps=max(1, h // 3))],
+            "poisoned_data": replayer.delta(start, r, 0, poison=shuffled),
+            "zero": [torch.zeros_like(t) for t in reference],
+            "sign_flip": [-t for t in reference],
+            "x10": [10 * t for t in reference],
+            "noise": noise_like(reference, seed=r),
+            "drip_1pct": drip(reference, bias, 0.01),
+            "drip_5pct": drip(reference, bias, 0.05),
+            "drip_20pct": drip(reference, bias, 0.20),
+        }
+        if previous is not None:
+            attacks["stale"] = previous
+        names = list(honest)
+        for i, x in enumerate(names):
+            for y in names[i + 1 :]:
+                compare(f"honest:{x}~{y}", honest[x], honest[y], r)
+        for attack, d in attacks.items():
+            for name in names:
+                compare(attack, honest[name], (FP32, d), r)
+        # Two colluders with the same wrong pseudo-gradient and one honest replica: the group dissents; a
+        # referee (another honest recomputation) convicts both colluders and not the honest peer.
+        wrong = attacks["wrong_shard"]
+        seed = sketch_seed("bench-colluders", r, [commitment(reference)] + [commitment(wrong)] * 2)
+        group = [
+            Report("honest", FP32, sketch(reference, seed), 0.0),
+            Report("x", FP32, sketch(wrong, seed), 0.0),
+            Report("y", FP32, sketch(wrong, seed), 0.0),
+        ]
+        compared["colluders"] = compared.get("colluders", 0) + 1
+        detected["colluders"] = detected.get("colluders", 0) + (judge(group).outcome == Outcome.DISSENT)
+        referee = Report("referee", FP32, sketch(honest["fp32_2_threads"][1], seed), 0.0)
+        refereed_ok["runs"] += 1
+        refereed_ok["convicted_right"] += refereed(group, referee) == {"x", "y"}
+        previous = reference
+        # The swarm's step: the honest average of its shards (shard 0 here stands for all of them).
+        diloco.outer_step(reference)
+        print(json.dumps({"round": r, "seconds": round(time.monotonic() - t0, 1)}), flush=True)
+
+    val = evaluate(swarm_model, corpus, cfg, torch.device("cpu"))["val_loss"]
+    summary = {}
+    for name in compared:
+        ds = sorted(distances.get(name, []))
+        summary[name] = {
+            "comparisons": compared[name],
+            "dissent": detected[name],
+            "rate": round(detected[name] / compared[name], 4),
+            "distance_min": round(ds[0], 5) if ds else None,
+            "distance_max": round(ds[-1], 5) if ds else None,
+        }
+    return {
+        "rounds": rounds,
+        "sketches_per_pair": seeds,
+        "shards": shards,
+        "trajectory_val_loss": round(val, 4),
+        "verdicts": summary,
+        "referee": refereed_ok,
+        "wall_s": round(time.monotonic() - t0, 1),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--rounds", type=int, default=25)
+    parser.add_argument("--seeds", type=int, default=4, help="independent sketches per compared pair")
+    parser.add_argument("--shards", type=int, default=4)
+    args = parser.parse_args(argv)
+    result = run(args.rounds, args.seeds, args.shards)
+    result["machine"] = {"cpus": torch.get_num_threads(), "platform": platform.platform()}
+    merge_results("verification.json", "replicas", result)
+
+    rows = [
+        "| pair compared | comparisons | dissent | rate | distance (min – max) |",
+        "| --- | ---: | ---: | ---: | --- |",
+    ]
+    for name, s in result["verdicts"].items():
+        span = "—" if s["distance_min"] is None else f"{s['distance_min']:.2g} – {s['distance_max']:.2g}"
+        rows.append(f"| {name} | {s['comparisons']} | {s['dissent']} | {s['rate']:.3f} | {span} |")
+    ref = result["referee"]
+    rows.append("")
+    rows.append(
+        f"{args.rounds} rounds of configs/default.yaml along the swarm's trajectory, {args.seeds} sketches "
+        f"per pair, each attacker compared with each of the 3 honest replicas; honest lines are false "
+        f"positives. Colluders: two with the same wrong pseudo-gradient beside an honest replica; a referee "
+        f"convicted exactly the two in {ref['convicted_right']} of {ref['runs']} rounds."
+    )
+    replace_block("replicas", rows, DOC)
+    print("\n".join(rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,156 @@
+"""Verification by replicas: what two peers that trained the same shard from the same start must agree on.
+
+In a verifiable round the inner optimizer starts fresh and the learning rate depends on (round, step) only,
+so peers that train the same shard of the same round from the swarm's params compute nearly the same
+pseudo-gradient: their relative L2 distance is 1e-4 to 3e-3 in float32 (different thread counts) and
+about 0.04 between float32 and bfloat16, while a wrong shard, a lazy peer, a stale round, zeros, a flipped
+sign or noise are 0.4 and more away (docs/benchmarks.md, verification). Comparing whole pseudo-gradients
+would cost a model's size in traffic per comparison; a :func:`sketch` (a CountSketch: 1024 values, linear
+in the pseudo-gradient) estimates their distance within a few percent.
+
+A sketch can be fooled by a pseudo-gradient made for it (anything in the sketch's null space is
+invisible), so its seed must be unknown while the pseudo-gradient is fixed: each replica first publishes a
+:func:`commitment` to its pseudo-gradient, and the seed is derived from the commitments of the whole
+replica group (:func:`sketch_seed`). Two gaps remain for the wiring to close:
+
+* the last replica to commit knows the others' commitments and can grind its own (change one bit, commit
+  again) until the seed suits it; the seed must also take nonces revealed only once every commitment is in;
+* nothing here binds a report's sketch to what a peer sends into the all-reduce: reducers must check the
+  parts they receive against per-part commitments of the exact bytes sent. (The sketch's buckets and signs
+  are drawn for the whole vector, so a reducer can sketch its slice with the same draws, and the slices'
+  sketches add up to the whole one.)
+
+Pure functions, no network. Not yet wired into the round: nothing here leaves a peer out of a real swarm.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+
+SKETCH_WIDTH = 1024
+"""Values in a sketch: the distance estimate's relative error is about sqrt(1 / width), 3% here."""
+
+
+def commitment(tensors: Sequence[torch.Tensor]) -> str:
+    """sha256 of a pseudo-gradient's float32 bytes, tensor by tensor, shapes included."""
+    digest = hashlib.sha256()
+    for t in tensors:
+        t = t.detach().to("cpu", torch.float32).contiguous()
+        digest.update(repr(tuple(t.shape)).encode())
+        digest.update(t.numpy().tobytes())
+    return digest.hexdigest()
+
+
+def sketch_seed(run_id: str, round: int, commitments: Sequence[str]) -> int:
+    """The seed of a replica group's sketches: a function of every member's commitment (in any order)."""
+    text = "\n".join([run_id, str(round), *sorted(commitments)])
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little")
+
+
+def sketch(tensors: Sequence[torch.Tensor], seed: int, width: int = SKETCH_WIDTH) -> torch.Tensor:
+    """CountSketch of the flattened tensors: value j goes, with a random sign, into a random one of ``width``
+    buckets (both drawn from ``seed``). Linear, so sketch(a) - sketch(b) = sketch(a - b), and
+    ||sketch(x)|| estimates ||x||."""
+    flat = torch.cat([t.detach().to("cpu", torch.float32).reshape(-1) for t in tensors])
+    draws = torch.randint(
+        0, 2 * width, (flat.numel(),), generator=torch.Generator().manual_seed(seed), dtype=torch.int64
+    )
+    signs = (draws & 1).to(torch.float32).mul_(2).sub_(1)
+    return torch.zeros(width, dtype=torch.float64).index_add_(0, draws >> 1, (flat * signs).double())
+
+
+def distance(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Relative distance of two sketches (or two flat pseudo-gradients): ||a - b|| / max(||a||, ||b||)."""
+    scale = max(float(a.norm()), float(b.norm()))
+    if scale == 0.0:
+        return 0.0
+    return float((a - b).norm()) / scale
+
+
+@dataclass(frozen=True)
+class Report:
+    """What a replica says about its pseudo-gradient of a round, once the group's seed is known."""
+
+    peer: str
+    numeric_class: str
+    """Where it trained: ``device/dtype`` (``cpu/float32``, ``cuda/bfloat16``...). Replicas of different
+    classes agree less closely."""
+    sketch: torch.Tensor
+    norm: float
+
+
+Tolerances = Mapping[tuple[str, str], float]
+"""Largest honest distance per pair of numeric classes (in sorted order); see :func:`tolerance`."""
+
+DEFAULT_TOLERANCE = 0.02
+"""Between two replicas of the same numeric class (float32 on CPUs: 3e-3 at most, measured)."""
+MIXED_PRECISION_TOLERANCE = 0.15
+"""Between replicas of which one trained in a 16-bit dtype (float32 vs bfloat16: 0.055 at most, measured)."""
+MAX_TOLERANCE = 0.25
+"""No calibration may raise a tolerance above this: the nearest attack measured (a wrong shard) is 0.42."""
+
+
+def tolerance(a: str, b: str, tolerances: Tolerances | None = None) -> float:
+    """The largest distance at which replicas of classes ``a`` and ``b`` still agree."""
+    key = (min(a, b), max(a, b))
+    if tolerances and key in tolerances:
+        return min(tolerances[key], MAX_TOLERANCE)
+    if a == b:
+        return DEFAULT_TOLERANCE
+    return MIXED_PRECISION_TOLERANCE
+
+
+class Outcome(str, Enum):
+    AGREE = "agree"
+    """Every pair of replicas agrees: the group's pseudo-gradient counts once."""
+    DISSENT = "dissent"
+    """Some pair does not: the whole group is left out of the average, and a referee recomputes the shard."""
+
+
+@dataclass(frozen=True)
+class Verdict:
+    outcome: Outcome
+    distances: dict[tuple[str, str], float]
+    """Every pair's distance, by (peer, peer) in sorted order."""
+
+
+def judge(reports: Sequence[Report], tolerances: Tolerances | None = None) -> Verdict:
+    """The verdict on one replica group: a pure function of its reports, so every honest peer reaches it.
+
+    The group agrees only if every pair agrees and every norm is finite. There is no majority vote: in a
+    group of three with one dissenter, the group is left out and the referee decides (two colluders that
+    send the same wrong pseudo-gradient must not outvote, and so frame, an honest peer).
+    """
+    distances: dict[tuple[str, str], float] = {}
+    agree = all(math.isfinite(r.norm) and bool(torch.isfinite(r.sketch).all()) for r in reports)
+    ordered = sorted(reports, key=lambda r: r.peer)
+    for i, a in enumerate(ordered):
+        for b in ordered[i + 1 :]:
+            d = distance(a.sketch, b.sketch)
+            distances[(a.peer, b.peer)] = d
+            if not d <= tolerance(a.numeric_class, b.numeric_class, tolerances):
+                agree = False
+    return Verdict(Outcome.AGREE if agree else Outcome.DISSENT, distances)
+
+
+def refereed(reports: Sequence[Report], referee: Report, tolerances: Tolerances | None = None) -> set[str]:
+    """The replicas that a referee's recomputation of the same shard convicts: those that do not agree with it.
+
+    A referee is a third peer, drawn after the dissent, that trains the shard from the same start. If it
+    agrees with nobody, nobody is convicted (it may be the broken one): the group stays left out.
+    """
+    far = {
+        r.peer
+        for r in reports
+        if not distance(r.sketch, referee.sketch)
+        <= tolerance(r.numeric_class, referee.numeric_class, tolerances)
+    }
+    if far == {r.peer for r in reports}:
+        return set()
+    return far
