@@ -20,6 +20,10 @@ replica group (:func:`sketch_seed`). Two gaps remain for the wiring to close:
   are drawn for the whole vector, so a reducer can sketch its slice with the same draws, and the slices'
   sketches add up to the whole one.)
 
+Who checks whom is :func:`assign` (replica groups from the roster and a seed: untrusted peers always
+share their shard with trusted ones, trusted ones are audited at a fraction), and what verdicts add up to
+is a :class:`Reputation` (trust from agreement, bans from referees' convictions).
+
 Pure functions, no network. Not yet wired into the round: nothing here leaves a peer out of a real swarm.
 """
 
@@ -27,8 +31,9 @@ from __future__ import annotations
 
 import hashlib
 import math
+import random
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 
 import torch
@@ -154,3 +159,119 @@ def refereed(reports: Sequence[Report], referee: Report, tolerances: Tolerances 
     if far == {r.peer for r in reports}:
         return set()
     return far
+
+
+# ---------------------------------------------------------------------------------------- who checks whom
+
+
+@dataclass(frozen=True)
+class Member:
+    """A peer of a verifiable round, as the assignment sees it."""
+
+    peer: str
+    numeric_class: str
+    trusted: bool
+
+
+@dataclass(frozen=True)
+class Assignment:
+    groups: tuple[tuple[str, ...], ...]
+    """The replica groups, one per shard: shard i is trained by every peer of ``groups[i]``."""
+
+    def shard_of(self, peer: str) -> int | None:
+        return next((i for i, group in enumerate(self.groups) if peer in group), None)
+
+    @property
+    def shards(self) -> int:
+        return len(self.groups)
+
+
+def assign(members: Sequence[Member], seed: int, *, replicas: int, audit_fraction: float) -> Assignment:
+    """Who trains which shard in a verifiable round: a pure function of the roster and a seed that no single
+    peer controls (the caller derives it from the round and the swarm's params).
+
+    * An untrusted peer always shares its shard with ``replicas - 1`` others, trusted ones first, of its own
+      numeric class where possible; with nobody to share with yet, it joins an existing group.
+    * A trusted peer is audited with probability ``audit_fraction``: audited ones are grouped among
+      themselves; the others train a shard alone (replication costs only where trust is missing).
+    """
+    if replicas < 1 or not 0.0 <= audit_fraction <= 1.0:
+        raise ValueError(f"replicas {replicas} must be >= 1 and audit_fraction {audit_fraction} in [0, 1]")
+    rng = random.Random(seed)
+    ordered = sorted(members, key=lambda m: m.peer)
+    rng.shuffle(ordered)
+    if replicas == 1:
+        return Assignment(tuple((m.peer,) for m in sorted(ordered, key=lambda m: m.peer)))
+    untrusted = [m for m in ordered if not m.trusted]
+    audited = [m for m in ordered if m.trusted and rng.random() < audit_fraction]
+    alone = [m for m in ordered if m.trusted and m not in audited]
+    groups: list[list[Member]] = []
+
+    def take(pool: list[Member], like: Member) -> Member | None:
+        same = [m for m in pool if m.numeric_class == like.numeric_class]
+        if not (same or pool):
+            return None
+        chosen = (same or pool)[0]
+        pool.remove(chosen)
+        return chosen
+
+    def group_of(first: Member, pools: list[list[Member]]) -> list[Member]:
+        group = [first]
+        for pool in pools:
+            while len(group) < replicas and (partner := take(pool, first)) is not None:
+                group.append(partner)
+        return group
+
+    # Untrusted peers first, each with trusted partners taken from those that would have trained alone (an
+    # audit for them too), then from the audited, then with other untrusted peers.
+    while untrusted:
+        groups.append(group_of(untrusted.pop(0), [alone, audited, untrusted]))
+    while audited:
+        groups.append(group_of(audited.pop(0), [audited]))
+    # Groups left short (nobody to share with): a lone untrusted or audited peer joins a group of its class.
+    short = [g for g in groups if len(g) == 1]
+    for g in short:
+        hosts = [h for h in groups if len(h) > 1]
+        if hosts:
+            groups.remove(g)
+            host = next((h for h in hosts if h[0].numeric_class == g[0].numeric_class), hosts[0])
+            host.append(g[0])
+    groups += [[m] for m in alone]
+    return Assignment(tuple(sorted(tuple(sorted(m.peer for m in g)) for g in groups)))
+
+
+@dataclass
+class Reputation:
+    """Trust and bans, from verdicts: a pure record, the same on every peer that saw the same verdicts.
+
+    A peer becomes trusted after ``rounds_to_trust`` verified rounds in agreement, and loses that trust
+    with any strike. A strike is a conviction by a referee (never a dissent alone); ``strikes_to_ban``
+    strikes within ``window`` rounds ban the peer for the rest of the run. A new identity starts untrusted,
+    so a banned peer gains nothing by coming back under another one.
+    """
+
+    rounds_to_trust: int = 8
+    strikes_to_ban: int = 2
+    window: int = 64
+    agreed: dict[str, int] = field(default_factory=dict)
+    strikes: dict[str, list[int]] = field(default_factory=dict)
+    banned: set[str] = field(default_factory=set)
+
+    def agree(self, peers: Sequence[str]) -> None:
+        for peer in peers:
+            self.agreed[peer] = self.agreed.get(peer, 0) + 1
+
+    def convict(self, peers: Sequence[str], round: int) -> set[str]:
+        """Strike each of ``peers`` for ``round``; returns those banned now."""
+        newly = set()
+        for peer in peers:
+            recent = [r for r in self.strikes.get(peer, []) if r > round - self.window] + [round]
+            self.strikes[peer] = recent
+            self.agreed[peer] = 0
+            if len(recent) >= self.strikes_to_ban and peer not in self.banned:
+                self.banned.add(peer)
+                newly.add(peer)
+        return newly
+
+    def trusted(self, peer: str) -> bool:
+        return peer not in self.banned and self.agreed.get(peer, 0) >= self.rounds_to_trust

@@ -7,8 +7,11 @@ import torch
 
 from p2ptrain.verify import (
     MAX_TOLERANCE,
+    Member,
     Outcome,
     Report,
+    Reputation,
+    assign,
     commitment,
     distance,
     judge,
@@ -110,3 +113,82 @@ def test_tolerances_are_per_class_pair_and_capped():
     calibrated = {("cpu/float32", "cuda/bfloat16"): 0.08, ("cpu/float32", "cpu/float32"): 5.0}
     assert tolerance("cuda/bfloat16", "cpu/float32", calibrated) == 0.08
     assert tolerance("cpu/float32", "cpu/float32", calibrated) == MAX_TOLERANCE
+
+
+def members(trusted: int, untrusted: int, numeric_class: str = "cpu/float32") -> list[Member]:
+    return [Member(f"t{i}", numeric_class, True) for i in range(trusted)] + [
+        Member(f"u{i}", numeric_class, False) for i in range(untrusted)
+    ]
+
+
+def every_peer_once(assignment, roster) -> None:
+    placed = [p for group in assignment.groups for p in group]
+    assert sorted(placed) == sorted(m.peer for m in roster)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_every_untrusted_peer_shares_its_shard_with_a_trusted_one_while_there_are_any(seed):
+    roster = members(3, 3)
+    out = assign(roster, seed, replicas=2, audit_fraction=0.0)
+    every_peer_once(out, roster)
+    for group in out.groups:
+        if any(p.startswith("u") for p in group):
+            assert any(p.startswith("t") for p in group) and len(group) >= 2, out.groups
+    assert out.shards == 3
+
+
+def test_a_swarm_of_strangers_is_all_replicated_and_nobody_is_left_alone():
+    for n in range(2, 9):
+        roster = members(0, n)
+        out = assign(roster, 1, replicas=2, audit_fraction=0.0)
+        every_peer_once(out, roster)
+        assert all(len(g) >= 2 for g in out.groups), out.groups
+        assert out.shards == n // 2
+
+
+def test_trusted_peers_are_audited_at_the_audit_fraction_and_train_alone_otherwise():
+    roster = members(10, 0)
+    assert assign(roster, 0, replicas=2, audit_fraction=0.0).shards == 10
+    assert all(len(g) == 2 for g in assign(roster, 0, replicas=2, audit_fraction=1.0).groups)
+    audited = sum(
+        sum(len(g) for g in assign(roster, seed, replicas=2, audit_fraction=0.1).groups if len(g) > 1)
+        for seed in range(300)
+    )
+    assert 0.05 < audited / 3000 < 0.15
+
+
+def test_partners_are_of_the_same_numeric_class_where_possible():
+    roster = [
+        Member("t-cpu", "cpu/float32", True),
+        Member("t-gpu", "cuda/bfloat16", True),
+        Member("u-gpu", "cuda/bfloat16", False),
+        Member("u-cpu", "cpu/float32", False),
+    ]
+    for seed in range(10):
+        out = assign(roster, seed, replicas=2, audit_fraction=0.0)
+        assert set(out.groups) == {("t-gpu", "u-gpu"), ("t-cpu", "u-cpu")}
+
+
+def test_the_assignment_is_a_function_of_the_roster_and_the_seed_only():
+    roster = members(4, 5)
+    a = assign(roster, 7, replicas=3, audit_fraction=0.5)
+    assert a == assign(list(reversed(roster)), 7, replicas=3, audit_fraction=0.5)
+    assert any(assign(roster, s, replicas=3, audit_fraction=0.5) != a for s in range(8, 20))
+    assert assign(roster, 7, replicas=1, audit_fraction=0.5).shards == 9
+    assert a.shard_of("u0") is not None and a.shard_of("nobody") is None
+    with pytest.raises(ValueError, match="audit_fraction"):
+        assign(roster, 7, replicas=2, audit_fraction=1.5)
+
+
+def test_trust_comes_from_agreement_and_bans_from_repeated_convictions():
+    rep = Reputation(rounds_to_trust=3, strikes_to_ban=2, window=10)
+    for _ in range(3):
+        rep.agree(["a", "b"])
+    assert rep.trusted("a") and not rep.trusted("new")
+    assert rep.convict(["a"], round=5) == set()
+    assert not rep.trusted("a")  # one strike costs the trust earned
+    assert rep.convict(["a"], round=20) == set()  # the first strike is out of the window by now
+    assert rep.convict(["a"], round=25) == {"a"}
+    assert "a" in rep.banned and not rep.trusted("a")
+    rep.agree(["a"] * 10)
+    assert not rep.trusted("a")  # banned for the rest of the run
