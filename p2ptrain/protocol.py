@@ -53,10 +53,11 @@ class Me:
     round: int
     params_hash: str
     last_group_size: int = 0
+    serves: bool = True
 
     @property
     def vote(self) -> Vote:
-        return Vote(self.params_hash, self.last_group_size)
+        return Vote(self.params_hash, self.last_group_size, self.serves)
 
 
 # ------------------------------------------------------------------------------------------ credibility

@@ -19,7 +19,7 @@ from enum import Enum
 from typing import Any
 
 # hivemind's SchemaValidator speaks pydantic v1; the DHT record models use its compatibility module.
-from pydantic.v1 import BaseModel, confloat, conint, constr
+from pydantic.v1 import BaseModel, StrictBool, confloat, conint, constr
 
 MAX_COUNT = 2**53
 """Largest integer a record may carry (exact in a float64, far beyond any real sample count)."""
@@ -69,6 +69,8 @@ class ProgressRecord(BaseModel):
     """How many live peers (itself included) this peer sees."""
     view: constr(strict=True, max_length=16) = ""  # type: ignore[valid-type]
     """Short hash of the sorted ids of the live peers this peer sees (see :class:`SplitWatch`)."""
+    serves: StrictBool = True
+    """Whether it serves its state: False for a client-mode peer, which nobody can download from."""
 
     class Config:
         extra = "forbid"
@@ -87,14 +89,16 @@ class ProgressRecord(BaseModel):
 
 @dataclass(frozen=True)
 class Vote:
-    """One peer's say in which params are canonical: its params hash and its last group's size."""
+    """One peer's say in which params are canonical: its params hash, its last group's size, and whether
+    others can download its params."""
 
     params_hash: str
     last_group_size: int
+    serves: bool = True
 
     @classmethod
     def of(cls, record: ProgressRecord) -> Vote:
-        return cls(record.params_hash, record.last_group_size)
+        return cls(record.params_hash, record.last_group_size, record.serves)
 
 
 def live(records: Mapping[str, ProgressRecord]) -> dict[str, ProgressRecord]:
@@ -110,16 +114,18 @@ def global_round(records: dict[str, ProgressRecord]) -> int:
 def canonical_hash(votes: Iterable[Vote]) -> str | None:
     """The params hash that peers of one round should converge on, or None if nobody reported one.
 
-    The most common hash wins; ties go to the hash whose holders averaged in the larger group last
-    round, then to the smaller hash string, so that every peer that sees the same votes picks the
-    same winner.
+    A hash that some holder serves comes first: params that nobody can download (their holders are all in
+    client mode) are a dead end for every peer that does not hold them already. Then the most common hash
+    wins; ties go to the hash whose holders averaged in the larger group last round, then to the smaller
+    hash string, so that every peer that sees the same votes picks the same winner.
     """
     votes = [v for v in votes if v.params_hash]
     counts = Counter(v.params_hash for v in votes)
     if not counts:
         return None
     best_group = {h: max(v.last_group_size for v in votes if v.params_hash == h) for h in counts}
-    return min(counts, key=lambda h: (-counts[h], -best_group[h], h))
+    served = {v.params_hash for v in votes if v.serves}
+    return min(counts, key=lambda h: (h not in served, -counts[h], -best_group[h], h))
 
 
 def view_hash(peer_ids: Iterable[str]) -> str:

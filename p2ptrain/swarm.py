@@ -177,6 +177,7 @@ class Swarm:
         self.run_id = run_id
         self.device = device
         self.heartbeat_s, self.record_ttl_s = cfg.heartbeat_s, cfg.record_ttl_s
+        self.serves = not cfg.client_mode  # a client-mode peer's averager does not share its state
         with tempfile.TemporaryDirectory(prefix="p2ptrain-identity-") as tmp:
             identity_file, signer, fresh = _identity(cfg.identity_path, Path(tmp))
             validators = progress_validators(run_id, signer=signer)
@@ -249,6 +250,7 @@ class Swarm:
             time=time.time(),
             seen=s.seen,
             view=s.view,
+            serves=self.serves,
         )
         with self._lock:
             self.dht.store(

@@ -681,7 +681,13 @@ class Trainer:
     # --------------------------------------------------------------------------------- helpers
 
     def me(self) -> Me:
-        return Me(self.peer_id, self.round, self.diloco.params_hash(), self.last_group_size)
+        return Me(
+            self.peer_id,
+            self.round,
+            self.diloco.params_hash(),
+            self.last_group_size,
+            serves=not self.cfg.swarm.client_mode,
+        )
 
     def _others(self) -> dict[str, ProgressRecord]:
         """The other peers' records (left ones included). Every reading also reaches ``self.memory``, through

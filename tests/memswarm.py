@@ -176,7 +176,10 @@ class _Peer:
         raise Crash(f"{self.name} at {point.value} of round {round}")
 
     def record(self) -> ProgressRecord:
-        return ProgressRecord(peer_id=self.peer_id, device="cpu", time=time.time(), **self.status)
+        serves = not self.cfg.swarm.client_mode
+        return ProgressRecord(
+            peer_id=self.peer_id, device="cpu", time=time.time(), serves=serves, **self.status
+        )
 
 
 class MemoryBoard:
@@ -416,6 +419,8 @@ class MemorySwarm:
             return self._forged_states[donor_id]
         donor = self._peers.get(donor_id)
         if donor is None or donor.gone.is_set() or donor.name in self.injector.refuse_donations:
+            return None
+        if donor.cfg.swarm.client_mode:  # as hivemind's averager: allow_state_sharing = not client_mode
             return None
         metadata, tensors = donor.state_provider()
         if self.injector.take(donor.name, Point.DONATE, int(metadata["round"])):

@@ -51,6 +51,14 @@ def test_canonical_hash_majority_then_group_then_smallest():
     assert canonical_hash([]) is None
 
 
+def test_params_nobody_serves_lose_to_any_that_someone_serves():
+    client = Vote("bb", last_group_size=3, serves=False)
+    assert canonical_hash([client, Vote("cc", 1), Vote("aa", 1)]) == "aa"
+    assert canonical_hash([client, client, Vote("cc", 1)]) == "cc"  # even against a majority
+    assert canonical_hash([client, Vote("bb", 1, serves=True)]) == "bb"  # one holder that serves is enough
+    assert canonical_hash([client]) == "bb"  # and with nothing else to go on, it is still the one
+
+
 def test_split_watch_quiet_while_views_agree_or_differ_briefly():
     watch = SplitWatch(after_s=60)
     ids = {"a", "b", "c"}
