@@ -16,7 +16,7 @@ Each comparison commits, seeds a sketch from the commitments (``verify.sketch_se
 independent sketches per pair (what another group's commitments would give). Reported per attack:
 comparisons, detections, the distances seen; and for honest pairs the false positives.
 
-    python -m bench.replicas [--rounds 25] [--seeds 4]
+    python -m bench.replicas [--rounds 30] [--seeds 4] [--grace 5]
 
 Writes the ``replicas`` part of bench/results/verification.json and the replicas table of
 docs/benchmarks.md.
@@ -40,7 +40,20 @@ from p2ptrain.diloco import DiLoCo
 from p2ptrain.evaluation import evaluate
 from p2ptrain.inner import inner_lr, inner_step, make_optimizer
 from p2ptrain.models import build_model
-from p2ptrain.verify import Outcome, Report, commitment, judge, refereed, sketch, sketch_seed
+from p2ptrain.verify import (
+    CALIBRATION_MARGIN,
+    MAX_TOLERANCE,
+    Outcome,
+    Report,
+    calibrate,
+    commitment,
+    distance,
+    judge,
+    refereed,
+    sketch,
+    sketch_seed,
+    tolerance,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 FP32, BF16 = "cpu/float32", "cpu/bfloat16"
@@ -108,7 +121,7 @@ def drip(d: list[torch.Tensor], bias: list[torch.Tensor], fraction: float) -> li
     return [t + fraction * norm * b for t, b in zip(d, bias)]
 
 
-def run(rounds: int, seeds: int, shards: int) -> dict:
+def run(rounds: int, seeds: int, shards: int, grace: int) -> dict:
     cfg = load_config(ROOT / "configs" / "default.yaml")
     corpus = Corpus.from_bytes(load_corpus(cfg.data), cfg.model.context_length, cfg.data.val_fraction)
     replayer = Replayer(cfg, corpus, shards)
@@ -119,9 +132,8 @@ def run(rounds: int, seeds: int, shards: int) -> dict:
     bias = [torch.randn(m.shape, generator=gen) for m in diloco.master]
     unit = float(torch.cat([b.reshape(-1) for b in bias]).norm())
     bias = [b / unit for b in bias]
-    distances: dict[str, list[float]] = {}
-    detected: dict[str, int] = {}
-    compared: dict[str, int] = {}
+    # Every comparison: (round, what was compared, the two reports); judged at the end under each policy.
+    comparisons: list[tuple[int, str, list[Report]]] = []
     refereed_ok = {"convicted_right": 0, "runs": 0}
     previous: list[torch.Tensor] | None = None
     t0 = time.monotonic()
@@ -134,10 +146,7 @@ def run(rounds: int, seeds: int, shards: int) -> dict:
                 Report("a", a[0], sketch(a[1], seed), 0.0),
                 Report("b", b[0], sketch(b[1], seed), 0.0),
             ]
-            verdict = judge(reports)
-            distances.setdefault(name, []).append(next(iter(verdict.distances.values())))
-            compared[name] = compared.get(name, 0) + 1
-            detected[name] = detected.get(name, 0) + (verdict.outcome == Outcome.DISSENT)
+            comparisons.append((r, name, reports))
 
     for r in range(rounds):
         start = [m.clone() for m in diloco.master]
@@ -177,8 +186,7 @@ def run(rounds: int, seeds: int, shards: int) -> dict:
             Report("x", FP32, sketch(wrong, seed), 0.0),
             Report("y", FP32, sketch(wrong, seed), 0.0),
         ]
-        compared["colluders"] = compared.get("colluders", 0) + 1
-        detected["colluders"] = detected.get("colluders", 0) + (judge(group).outcome == Outcome.DISSENT)
+        refereed_ok["dissent"] = refereed_ok.get("dissent", 0) + (judge(group).outcome == Outcome.DISSENT)
         referee = Report("referee", FP32, sketch(honest["fp32_2_threads"][1], seed), 0.0)
         refereed_ok["runs"] += 1
         refereed_ok["convicted_right"] += refereed(group, referee) == {"x", "y"}
@@ -188,53 +196,114 @@ def run(rounds: int, seeds: int, shards: int) -> dict:
         print(json.dumps({"round": r, "seconds": round(time.monotonic() - t0, 1)}), flush=True)
 
     val = evaluate(swarm_model, corpus, cfg, torch.device("cpu"))["val_loss"]
-    summary = {}
-    for name in compared:
-        ds = sorted(distances.get(name, []))
-        summary[name] = {
-            "comparisons": compared[name],
-            "dissent": detected[name],
-            "rate": round(detected[name] / compared[name], 4),
-            "distance_min": round(ds[0], 5) if ds else None,
-            "distance_max": round(ds[-1], 5) if ds else None,
-        }
     return {
         "rounds": rounds,
+        "grace_rounds": grace,
         "sketches_per_pair": seeds,
         "shards": shards,
         "trajectory_val_loss": round(val, 4),
-        "verdicts": summary,
+        # The defaults of verify.tolerance, in every round.
+        "static": summarize(comparisons, lambda r, a, b: tolerance(a, b), first_round=0),
+        # Calibrated per class pair from the honest pairs of the last WINDOW rounds, after the grace rounds
+        # (which are not judged).
+        "calibrated": summarize(comparisons, calibrated(comparisons), first_round=grace),
         "referee": refereed_ok,
         "wall_s": round(time.monotonic() - t0, 1),
     }
+
+
+WINDOW = 10
+"""Rounds of honest agreement a calibrated tolerance looks back on."""
+
+
+def calibrated(comparisons: list[tuple[int, str, list[Report]]]) -> Callable[[int, str, str], float]:
+    """Tolerance(round, class, class) from the honest pairs of the previous ``WINDOW`` rounds."""
+    honest: dict[tuple[str, str], list[tuple[int, float]]] = {}
+    for r, name, (a, b) in comparisons:
+        if name.startswith("honest:"):
+            key = (min(a.numeric_class, b.numeric_class), max(a.numeric_class, b.numeric_class))
+            honest.setdefault(key, []).append((r, distance(a.sketch, b.sketch)))
+
+    def tol(r: int, a: str, b: str) -> float:
+        key = (min(a, b), max(a, b))
+        seen = [d for rr, d in honest.get(key, []) if r - WINDOW <= rr < r]
+        return calibrate(seen, floor=tolerance(a, b))
+
+    return tol
+
+
+def summarize(
+    comparisons: list[tuple[int, str, list[Report]]],
+    tol: Callable[[int, str, str], float],
+    *,
+    first_round: int,
+) -> dict:
+    """Per compared pair: comparisons, dissents (detections, or false positives for honest pairs), distances."""
+    out: dict[str, dict] = {}
+    for r, name, reports in comparisons:
+        if r < first_round:
+            continue
+        a, b = reports
+        verdict = judge(
+            reports,
+            {
+                (min(a.numeric_class, b.numeric_class), max(a.numeric_class, b.numeric_class)): tol(
+                    r, a.numeric_class, b.numeric_class
+                )
+            },
+        )
+        d = next(iter(verdict.distances.values()))
+        entry = out.setdefault(name, {"comparisons": 0, "dissent": 0, "distance_min": d, "distance_max": d})
+        entry["comparisons"] += 1
+        entry["dissent"] += verdict.outcome == Outcome.DISSENT
+        entry["distance_min"] = min(entry["distance_min"], d)
+        entry["distance_max"] = max(entry["distance_max"], d)
+    for entry in out.values():
+        entry["rate"] = round(entry["dissent"] / entry["comparisons"], 4)
+        entry["distance_min"], entry["distance_max"] = (
+            round(entry["distance_min"], 5),
+            round(entry["distance_max"], 5),
+        )
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--rounds", type=int, default=25)
+    parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--seeds", type=int, default=4, help="independent sketches per compared pair")
     parser.add_argument("--shards", type=int, default=4)
+    parser.add_argument("--grace", type=int, default=5, help="rounds of calibration before verdicts count")
     args = parser.parse_args(argv)
-    result = run(args.rounds, args.seeds, args.shards)
+    result = run(args.rounds, args.seeds, args.shards, args.grace)
     result["machine"] = {"cpus": torch.get_num_threads(), "platform": platform.platform()}
     merge_results("verification.json", "replicas", result)
 
     rows = [
-        "| pair compared | comparisons | dissent | rate | distance (min – max) |",
-        "| --- | ---: | ---: | ---: | --- |",
+        "| pair compared | distance (min – max) | static tolerances: dissent | calibrated: dissent |",
+        "| --- | --- | ---: | ---: |",
     ]
-    for name, s in result["verdicts"].items():
-        span = "—" if s["distance_min"] is None else f"{s['distance_min']:.2g} – {s['distance_max']:.2g}"
-        rows.append(f"| {name} | {s['comparisons']} | {s['dissent']} | {s['rate']:.3f} | {span} |")
+    static, tuned = result["static"], result["calibrated"]
+    for name, s in static.items():
+        c = tuned.get(name, {"dissent": 0, "comparisons": 0, "rate": 0.0})
+        rows.append(
+            f"| {name} | {s['distance_min']:.2g} – {s['distance_max']:.2g} "
+            f"| {s['dissent']} of {s['comparisons']} ({s['rate']:.3f}) "
+            f"| {c['dissent']} of {c['comparisons']} ({c['rate']:.3f}) |"
+        )
     ref = result["referee"]
     rows.append("")
     rows.append(
-        f"{args.rounds} rounds of configs/default.yaml along the swarm's trajectory, {args.seeds} sketches "
-        f"per pair, each attacker compared with each of the 3 honest replicas; honest lines are false "
-        f"positives. Colluders: two with the same wrong pseudo-gradient beside an honest replica; a referee "
-        f"convicted exactly the two in {ref['convicted_right']} of {ref['runs']} rounds."
+        f"{args.rounds} rounds of configs/default.yaml along the swarm's trajectory, {args.seeds} sketches per "
+        "pair; each attacker is compared with each of the 3 honest replicas (fp32 on 1 and 2 threads, bf16), "
+        "and honest lines count false positives. Static: verify.py's default tolerances (0.02 within a "
+        "numeric class, 0.15 across), every round. Calibrated: per class pair, "
+        f"{CALIBRATION_MARGIN} × the largest honest distance of the last {WINDOW} rounds, at least the "
+        f"default and at most {MAX_TOLERANCE}, judged after {args.grace} grace rounds. Colluders: two "
+        "with the same wrong pseudo-gradient beside an honest replica dissented in "
+        f"{ref.get('dissent', 0)} of {ref['runs']} "
+        f"rounds, and a referee convicted exactly the two in {ref['convicted_right']} of {ref['runs']}."
     )
     replace_block("replicas", rows, DOC)
     print("\n".join(rows))

@@ -58,16 +58,25 @@ def sketch_seed(run_id: str, round: int, commitments: Sequence[str]) -> int:
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little")
 
 
+_SKETCH_CHUNK = 1 << 16
+"""Values sketched at a time. Whole-vector temporaries (tens of MB each, at every call) grow a long-running
+process's heap without bound under glibc's malloc; chunks of one size are reused."""
+
+
 def sketch(tensors: Sequence[torch.Tensor], seed: int, width: int = SKETCH_WIDTH) -> torch.Tensor:
     """CountSketch of the flattened tensors: value j goes, with a random sign, into a random one of ``width``
-    buckets (both drawn from ``seed``). Linear, so sketch(a) - sketch(b) = sketch(a - b), and
+    buckets (both drawn from ``seed``, in order). Linear, so sketch(a) - sketch(b) = sketch(a - b), and
     ||sketch(x)|| estimates ||x||."""
-    flat = torch.cat([t.detach().to("cpu", torch.float32).reshape(-1) for t in tensors])
-    draws = torch.randint(
-        0, 2 * width, (flat.numel(),), generator=torch.Generator().manual_seed(seed), dtype=torch.int64
-    )
-    signs = (draws & 1).to(torch.float32).mul_(2).sub_(1)
-    return torch.zeros(width, dtype=torch.float64).index_add_(0, draws >> 1, (flat * signs).double())
+    generator = torch.Generator().manual_seed(seed)
+    out = torch.zeros(width, dtype=torch.float64)
+    for tensor in tensors:
+        flat = tensor.detach().to("cpu", torch.float32).reshape(-1)
+        for start in range(0, flat.numel(), _SKETCH_CHUNK):
+            piece = flat[start : start + _SKETCH_CHUNK]
+            draws = torch.randint(0, 2 * width, (piece.numel(),), generator=generator, dtype=torch.int64)
+            signed = torch.where((draws & 1).bool(), piece, -piece).double()
+            out.index_add_(0, draws >> 1, signed)
+    return out
 
 
 def distance(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -109,6 +118,18 @@ def tolerance(a: str, b: str, tolerances: Tolerances | None = None) -> float:
     if a == b:
         return DEFAULT_TOLERANCE
     return MIXED_PRECISION_TOLERANCE
+
+
+CALIBRATION_MARGIN = 1.5
+"""A calibrated tolerance is this many times the largest honest distance seen."""
+
+
+def calibrate(honest: Sequence[float], *, floor: float, margin: float = CALIBRATION_MARGIN) -> float:
+    """A tolerance from the distances of replicas that agreed in earlier rounds (the grace rounds first,
+    then a window of recent rounds): ``margin`` times the largest, never below ``floor`` (the class pair's
+    default: two replicas that happened to agree exactly must not make the next round's tolerance zero),
+    never above :data:`MAX_TOLERANCE` (what a calibration can hide stays bounded)."""
+    return min(max(floor, margin * max(honest, default=0.0)), MAX_TOLERANCE)
 
 
 class Outcome(str, Enum):

@@ -12,6 +12,7 @@ from p2ptrain.verify import (
     Report,
     Reputation,
     assign,
+    calibrate,
     commitment,
     distance,
     judge,
@@ -192,3 +193,10 @@ def test_trust_comes_from_agreement_and_bans_from_repeated_convictions():
     assert "a" in rep.banned and not rep.trusted("a")
     rep.agree(["a"] * 10)
     assert not rep.trusted("a")  # banned for the rest of the run
+
+
+def test_a_calibrated_tolerance_follows_honest_agreement_between_its_floor_and_the_cap():
+    assert calibrate([], floor=0.02) == 0.02
+    assert calibrate([0.0, 0.0], floor=0.02) == 0.02  # replicas that agreed exactly do not make it zero
+    assert calibrate([0.05, 0.1], floor=0.02) == pytest.approx(0.15)
+    assert calibrate([0.2, 5.0], floor=0.02) == MAX_TOLERANCE  # a liar inside the window gains little
