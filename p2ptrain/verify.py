@@ -2,9 +2,9 @@
 
 In a verifiable round the inner optimizer starts fresh and the learning rate depends on (round, step) only,
 so peers that train the same shard of the same round from the swarm's params compute nearly the same
-pseudo-gradient: their relative L2 distance is 1e-4 to 3e-3 in float32 (different thread counts) and
-about 0.04 between float32 and bfloat16, while a wrong shard, a lazy peer, a stale round, zeros, a flipped
-sign or noise are 0.4 and more away (docs/benchmarks.md, verification). Comparing whole pseudo-gradients
+pseudo-gradient: their relative L2 distance is at most 0.002 in float32 (different thread counts) and 0.01
+to 0.21 between float32 and bfloat16, while a wrong shard, a lazy peer, poisoned data, a stale round,
+zeros, a flipped sign or noise are 0.37 and more away (docs/benchmarks.md, replicas). Comparing whole pseudo-gradients
 would cost a model's size in traffic per comparison; a :func:`sketch` (a CountSketch: 1024 values, linear
 in the pseudo-gradient) estimates their distance within a few percent.
 
@@ -103,11 +103,12 @@ Tolerances = Mapping[tuple[str, str], float]
 """Largest honest distance per pair of numeric classes (in sorted order); see :func:`tolerance`."""
 
 DEFAULT_TOLERANCE = 0.02
-"""Between two replicas of the same numeric class (float32 on CPUs: 3e-3 at most, measured)."""
+"""Between two replicas of the same numeric class (float32 on CPUs: 0.0017 at most, measured)."""
 MIXED_PRECISION_TOLERANCE = 0.15
-"""Between replicas of which one trained in a 16-bit dtype (float32 vs bfloat16: 0.055 at most, measured)."""
+"""Between replicas of different classes, before calibration (float32 vs bfloat16 measured 0.01 to 0.21,
+depending on the round: :func:`calibrate` raises it as far as :data:`MAX_TOLERANCE`)."""
 MAX_TOLERANCE = 0.25
-"""No calibration may raise a tolerance above this: the nearest attack measured (a wrong shard) is 0.42."""
+"""No calibration may raise a tolerance above this: the nearest attack measured (poisoned data) is 0.37."""
 
 
 def tolerance(a: str, b: str, tolerances: Tolerances | None = None) -> float:
