@@ -4,9 +4,9 @@ In a verifiable round the inner optimizer starts fresh and the learning rate dep
 so peers that train the same shard of the same round from the swarm's params compute nearly the same
 pseudo-gradient: their relative L2 distance is at most 0.002 in float32 (different thread counts) and 0.01
 to 0.21 between float32 and bfloat16, while a wrong shard, a lazy peer, poisoned data, a stale round,
-zeros, a flipped sign or noise are 0.37 and more away (docs/benchmarks.md, replicas). Comparing whole pseudo-gradients
-would cost a model's size in traffic per comparison; a :func:`sketch` (a CountSketch: 1024 values, linear
-in the pseudo-gradient) estimates their distance within a few percent.
+zeros, a flipped sign or noise are 0.37 and more away (docs/benchmarks.md, replicas). Comparing whole
+pseudo-gradients would cost a model's size in traffic per comparison; a :func:`sketch` (a CountSketch: 1024
+values, linear in the pseudo-gradient) estimates their distance within a few percent.
 
 A sketch can be fooled by a pseudo-gradient made for it (anything in the sketch's null space is
 invisible), so its seed must be unknown while the pseudo-gradient is fixed: each replica first publishes a
