@@ -15,8 +15,11 @@ honest spread, robustness costs honest groups nothing.
 ``tau`` is not a fixed constant (the scale of pseudo-gradients changes over a run by orders of magnitude):
 it is ``clip_radius`` times the median distance of the parts from their coordinate-wise median, measured
 afresh for every part. A minority of attackers cannot raise it, since the median distance is an honest
-peer's. Nothing here helps a group of two: with no majority there is nothing to tell which one is right
-(the median of two is their mean, and so is the result).
+peer's (colluders that copy one honest part can lower it, which leaves the other honest parts out: the
+result is still honest, averaged over fewer peers). A part farther than ``reject_radius`` spreads gets no
+weight at all: clipped, a scaled or sign-flipped pseudo-gradient would still pull every round's result by
+``tau`` times its share, the same way each round. Nothing here helps a group of two: with no majority
+there is nothing to tell which one is right (the median of two is their mean, and so is the result).
 
 Pure functions of tensors: the reducer (``averaging.py``), the in-memory swarm of the tests and the
 benchmarks all call these.
