@@ -649,9 +649,10 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
             runner.bytes_sent,
             runner.bytes_received,
             dropped=sorted(p.to_base58() for p in runner.banned_senders),
-            outliers={
+            outliers={  # our own part may be the outlier too (then we were wrong): never a suspect here
                 runner.sender_peer_ids[sender].to_base58(): parts
                 for sender, parts in runner.tensor_part_reducer.parts_left_out.items()
+                if runner.sender_peer_ids[sender] != self.peer_id
             },
         )
         if runner.tensor_part_container.failed_size:

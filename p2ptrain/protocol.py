@@ -241,7 +241,7 @@ class SwarmMemory:
                 "highest_round": self.highest_round,
                 "swarm_finished": self.swarm_finished,
                 "final_votes": {
-                    pid: [v.params_hash, v.last_group_size] for pid, v in self._final_votes.items()
+                    pid: [v.params_hash, v.last_group_size, v.serves] for pid, v in self._final_votes.items()
                 },
             }
 
@@ -253,8 +253,9 @@ class SwarmMemory:
             self.swarm_finished = self.swarm_finished or saved.get("swarm_finished") is True
             votes = saved.get("final_votes")
             for pid, vote in (votes if isinstance(votes, dict) else {}).items():
-                if isinstance(vote, list) and len(vote) == 2:
-                    self._final_votes.setdefault(str(pid), Vote(str(vote[0]), int(vote[1])))
+                if isinstance(vote, list) and len(vote) in (2, 3):  # 2: a checkpoint from before `serves`
+                    serves = vote[2] is not False if len(vote) == 3 else True
+                    self._final_votes.setdefault(str(pid), Vote(str(vote[0]), int(vote[1]), serves))
 
 
 class BehindState(str, Enum):
@@ -418,7 +419,8 @@ def rebase_donors(me: Me, group: Iterable[ProgressRecord]) -> list[str] | None:
     canon = canonical_hash([me.vote, *(Vote.of(r) for r in group)])
     if canon == me.params_hash:
         return None
-    return [r.peer_id for r in group if r.params_hash == canon]
+    holders = [r for r in group if r.params_hash == canon]
+    return [r.peer_id for r in sorted(holders, key=lambda r: not r.serves)]  # those that serve first
 
 
 def may_step_alone(me: Me, others: Records, *, swarm_finished: bool = False) -> bool:

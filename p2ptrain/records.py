@@ -114,10 +114,11 @@ def global_round(records: dict[str, ProgressRecord]) -> int:
 def canonical_hash(votes: Iterable[Vote]) -> str | None:
     """The params hash that peers of one round should converge on, or None if nobody reported one.
 
-    A hash that some holder serves comes first: params that nobody can download (their holders are all in
-    client mode) are a dead end for every peer that does not hold them already. Then the most common hash
-    wins; ties go to the hash whose holders averaged in the larger group last round, then to the smaller
-    hash string, so that every peer that sees the same votes picks the same winner.
+    The most common hash wins. Ties go to a hash that some holder serves (params that nobody can download,
+    their holders all in client mode, are a dead end for every peer that does not hold them already), then
+    to the hash whose holders averaged in the larger group last round, then to the smaller hash string, so
+    that every peer that sees the same votes picks the same winner. Whether a peer serves is its own claim:
+    it breaks ties only, never outvotes a majority.
     """
     votes = [v for v in votes if v.params_hash]
     counts = Counter(v.params_hash for v in votes)
@@ -125,7 +126,7 @@ def canonical_hash(votes: Iterable[Vote]) -> str | None:
         return None
     best_group = {h: max(v.last_group_size for v in votes if v.params_hash == h) for h in counts}
     served = {v.params_hash for v in votes if v.serves}
-    return min(counts, key=lambda h: (h not in served, -counts[h], -best_group[h], h))
+    return min(counts, key=lambda h: (-counts[h], h not in served, -best_group[h], h))
 
 
 def view_hash(peer_ids: Iterable[str]) -> str:

@@ -9,7 +9,7 @@ from p2ptrain.protocol import BarrierState, BehindState, DonorBackoff, LingerSta
 from p2ptrain.records import PeerState, ProgressRecord
 
 
-def rec(peer, round=0, state="training", h="aa", group=2, samples=0, view=""):
+def rec(peer, round=0, state="training", h="aa", group=2, samples=0, view="", serves=True):
     return ProgressRecord(
         peer_id=peer,
         round=round,
@@ -22,6 +22,7 @@ def rec(peer, round=0, state="training", h="aa", group=2, samples=0, view=""):
         device="cpu",
         time=time.time(),
         view=view,
+        serves=serves,
     )
 
 
@@ -177,6 +178,15 @@ def test_memory_survives_a_restart_and_ignores_malformed_parts():
     assert restored.final_votes() == memory.final_votes()
     restored.restore({"highest_round": "x", "final_votes": {"b": "junk"}, "swarm_finished": 1})
     assert restored.highest_round == 6 and len(restored.final_votes()) == 1
+    # Whether a finished peer served its params is kept too (a client-mode one did not)...
+    client = SwarmMemory(num_rounds=6)
+    client.observe(table(rec("c", 6, state="done", h="ee", serves=False)))
+    again = SwarmMemory(num_rounds=6)
+    again.restore(client.to_dict())
+    assert again.final_votes() == client.final_votes() and not again.final_votes()[0].serves
+    # ...and a checkpoint from before it was recorded still restores, as a peer that serves.
+    again.restore({"final_votes": {"d": ["dd", 2]}})
+    assert len(again.final_votes()) == 2
 
 
 def test_a_peer_that_never_saw_anyone_ahead_is_not_behind():
@@ -260,6 +270,9 @@ def test_rebase_onto_the_majority_then_the_larger_group_then_the_smaller_hash():
     assert protocol.rebase_donors(me(h="aa", group=1), [rec("a", h="bb", group=3)]) == ["a"]
     assert protocol.rebase_donors(me(h="bb", group=2), [rec("a", h="aa", group=2)]) == ["a"]
     assert protocol.rebase_donors(me(h="aa"), []) is None
+    # Holders that serve are asked first (a client-mode one would only time out).
+    holders = [rec("a", h="bb", serves=False), rec("b", h="bb"), rec("c", h="bb")]
+    assert protocol.rebase_donors(me(h="cc"), holders) == ["b", "c", "a"]
 
 
 def test_step_alone_only_while_nobody_is_past_our_round():

@@ -51,12 +51,13 @@ def test_canonical_hash_majority_then_group_then_smallest():
     assert canonical_hash([]) is None
 
 
-def test_params_nobody_serves_lose_to_any_that_someone_serves():
+def test_params_nobody_serves_lose_a_tie_to_any_that_someone_serves():
     client = Vote("bb", last_group_size=3, serves=False)
-    assert canonical_hash([client, Vote("cc", 1), Vote("aa", 1)]) == "aa"
-    assert canonical_hash([client, client, Vote("cc", 1)]) == "cc"  # even against a majority
+    assert canonical_hash([client, Vote("cc", 1), Vote("aa", 1)]) == "aa"  # despite its larger group
+    # Serving is a peer's own claim: it breaks ties, it never outvotes a majority.
+    assert canonical_hash([client, client, Vote("cc", 1)]) == "bb"
     assert canonical_hash([client, Vote("bb", 1, serves=True)]) == "bb"  # one holder that serves is enough
-    assert canonical_hash([client]) == "bb"  # and with nothing else to go on, it is still the one
+    assert canonical_hash([client]) == "bb"
 
 
 def test_split_watch_quiet_while_views_agree_or_differ_briefly():
