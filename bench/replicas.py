@@ -202,10 +202,10 @@ def run(rounds: int, seeds: int, shards: int, grace: int) -> dict:
         "sketches_per_pair": seeds,
         "shards": shards,
         "trajectory_val_loss": round(val, 4),
-        # The defaults of verify.tolerance, in every round.
-        "static": summarize(comparisons, lambda r, a, b: tolerance(a, b), first_round=0),
-        # Calibrated per class pair from the honest pairs of the last WINDOW rounds, after the grace rounds
-        # (which are not judged).
+        # Both judged over the rounds after the grace rounds. Static: the defaults of verify.tolerance.
+        "static": summarize(comparisons, lambda r, a, b: tolerance(a, b), first_round=grace),
+        # Calibrated per class pair from the pairs that agreed in the last WINDOW rounds (grace rounds
+        # included): what a peer can know, attackers that went unnoticed included.
         "calibrated": summarize(comparisons, calibrated(comparisons), first_round=grace),
         "referee": refereed_ok,
         "wall_s": round(time.monotonic() - t0, 1),
@@ -217,17 +217,25 @@ WINDOW = 10
 
 
 def calibrated(comparisons: list[tuple[int, str, list[Report]]]) -> Callable[[int, str, str], float]:
-    """Tolerance(round, class, class) from the honest pairs of the previous ``WINDOW`` rounds."""
-    honest: dict[tuple[str, str], list[tuple[int, float]]] = {}
-    for r, name, (a, b) in comparisons:
-        if name.startswith("honest:"):
-            key = (min(a.numeric_class, b.numeric_class), max(a.numeric_class, b.numeric_class))
-            honest.setdefault(key, []).append((r, distance(a.sketch, b.sketch)))
+    """Tolerance(round, class, class), learnt round by round from the pairs (honest or not: a peer cannot
+    tell) that agreed under the tolerance of their own round, in the previous ``WINDOW`` rounds."""
+    by_round: dict[int, list[tuple[tuple[str, str], float]]] = {}
+    for r, _, (a, b) in comparisons:
+        key = (min(a.numeric_class, b.numeric_class), max(a.numeric_class, b.numeric_class))
+        by_round.setdefault(r, []).append((key, distance(a.sketch, b.sketch)))
+    agreed: list[tuple[int, tuple[str, str], float]] = []
+    tolerances: dict[tuple[int, tuple[str, str]], float] = {}
+    for r in sorted(by_round):
+        for key, d in by_round[r]:
+            if (r, key) not in tolerances:
+                seen = [x for rr, k, x in agreed if k == key and r - WINDOW <= rr < r]
+                tolerances[(r, key)] = calibrate(seen, floor=tolerance(*key))
+            if d <= tolerances[(r, key)]:
+                agreed.append((r, key, d))
 
     def tol(r: int, a: str, b: str) -> float:
         key = (min(a, b), max(a, b))
-        seen = [d for rr, d in honest.get(key, []) if r - WINDOW <= rr < r]
-        return calibrate(seen, floor=tolerance(a, b))
+        return tolerances.get((r, key), tolerance(a, b))
 
     return tol
 
@@ -298,9 +306,10 @@ def main(argv: list[str] | None = None) -> None:
         f"{args.rounds} rounds of configs/default.yaml along the swarm's trajectory, {args.seeds} sketches per "
         "pair; each attacker is compared with each of the 3 honest replicas (fp32 on 1 and 2 threads, bf16), "
         "and honest lines count false positives. Static: verify.py's default tolerances (0.02 within a "
-        "numeric class, 0.15 across), every round. Calibrated: per class pair, "
-        f"{CALIBRATION_MARGIN} × the largest honest distance of the last {WINDOW} rounds, at least the "
-        f"default and at most {MAX_TOLERANCE}, judged after {args.grace} grace rounds. Colluders: two "
+        "numeric class, 0.15 across). Calibrated: per class pair, "
+        f"{CALIBRATION_MARGIN} × the largest distance of the pairs that agreed in the last {WINDOW} rounds "
+        f"(attackers that went unnoticed included), at least the default and at most {MAX_TOLERANCE}. Both "
+        f"judged after {args.grace} grace rounds. Colluders: two "
         "with the same wrong pseudo-gradient beside an honest replica dissented in "
         f"{ref.get('dissent', 0)} of {ref['runs']} "
         f"rounds, and a referee convicted exactly the two in {ref['convicted_right']} of {ref['runs']}."
