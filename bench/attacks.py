@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import shutil
 import subprocess
 import sys
 import time
@@ -29,8 +28,7 @@ from safetensors.torch import load_file, save_file
 from bench.hostile import ATTACKS
 from bench.report import DOC, replace_block
 from p2ptrain.evaluation import Evaluator
-from p2ptrain.localswarm import LOOPBACK, PeerProcess
-from p2ptrain.membership import generate_swarm_key
+from p2ptrain.localswarm import PeerProcess, closed_swarm_join
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -50,20 +48,9 @@ WHAT = {
 
 
 def run_swarm(attack: str, rounds: int, steps: int, workdir: Path) -> dict:
-    shutil.rmtree(workdir, ignore_errors=True)
-    workdir.mkdir(parents=True)
-    key = workdir / "swarm.key"
-    generate_swarm_key(key)
     run_id = f"attack-{attack}-{int(time.time())}"
-    base = ["join", "--config", str(CONFIG), "--host-maddrs", LOOPBACK, "--log-format", "json"]
-    base += ["--key-file", str(key)]
-    for item in [
-        f"run.run_id={run_id}",
-        f"outer.num_rounds={rounds}",
-        f"inner.num_inner_steps={steps}",
-        "swarm.min_peers=2",
-    ]:
-        base += ["--set", item]
+    sets = [f"run.run_id={run_id}", f"outer.num_rounds={rounds}", f"inner.num_inner_steps={steps}"]
+    base, key = closed_swarm_join(workdir, CONFIG, sets + ["swarm.min_peers=2"])
     honest: list[PeerProcess] = []
     hostile = None
     t0 = time.monotonic()

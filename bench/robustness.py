@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import shutil
 import time
 from pathlib import Path
 
@@ -33,8 +32,7 @@ from bench.simulate import simulate
 from bench.tamper import ATTACKS
 from p2ptrain.config import load_config
 from p2ptrain.evaluation import Evaluator
-from p2ptrain.localswarm import LOOPBACK, PeerProcess
-from p2ptrain.membership import generate_swarm_key
+from p2ptrain.localswarm import PeerProcess, closed_swarm_join
 
 ROOT = Path(__file__).resolve().parent.parent
 PEERS = 4
@@ -67,20 +65,17 @@ def simulated(config: Path) -> dict:
 
 def real(config: Path, attack: str, aggregator: str, workdir: Path) -> dict:
     """Four `p2ptrain join` peers, the last of them hostile unless ``attack`` is none."""
-    shutil.rmtree(workdir, ignore_errors=True)
-    workdir.mkdir(parents=True)
-    key = workdir / "swarm.key"
-    generate_swarm_key(key)
-    base = ["join", "--config", str(config), "--host-maddrs", LOOPBACK, "--log-format", "json"]
-    base += ["--key-file", str(key)]
-    for item in [
-        f"run.run_id=robust-{attack}-{aggregator}-{int(time.time())}",
-        f"swarm.min_peers={PEERS}",
-        f"averaging.target_group_size={PEERS}",
-        f"averaging.aggregator={aggregator}",
-        "device.num_threads=1",
-    ]:
-        base += ["--set", item]
+    base, _ = closed_swarm_join(
+        workdir,
+        config,
+        [
+            f"run.run_id=robust-{attack}-{aggregator}-{int(time.time())}",
+            f"swarm.min_peers={PEERS}",
+            f"averaging.target_group_size={PEERS}",
+            f"averaging.aggregator={aggregator}",
+            "device.num_threads=1",
+        ],
+    )
     peers: list[PeerProcess] = []
     t0 = time.monotonic()
     try:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -152,3 +153,19 @@ class PeerProcess:
         for t in self._threads:
             t.join(timeout=5)
         self._log.close()
+
+
+def closed_swarm_join(workdir: Path, config: Path, sets: list[str]) -> tuple[list[str], Path]:
+    """A fresh ``workdir`` with a new swarm key, and the ``p2ptrain join`` arguments of a peer of that closed
+    swarm on 127.0.0.1 (JSON logs, ``--set`` each of ``sets``). Returns (arguments, key file)."""
+    from p2ptrain.membership import generate_swarm_key
+
+    shutil.rmtree(workdir, ignore_errors=True)
+    workdir.mkdir(parents=True)
+    key = workdir / "swarm.key"
+    generate_swarm_key(key)
+    args = ["join", "--config", str(config), "--host-maddrs", LOOPBACK, "--log-format", "json"]
+    args += ["--key-file", str(key)]
+    for item in sets:
+        args += ["--set", item]
+    return args, key
