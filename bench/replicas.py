@@ -46,6 +46,7 @@ from p2ptrain.verify import (
     Outcome,
     Report,
     calibrate,
+    class_pair,
     commitment,
     distance,
     judge,
@@ -221,7 +222,7 @@ def calibrated(comparisons: list[tuple[int, str, list[Report]]]) -> Callable[[in
     tell) that agreed under the tolerance of their own round, in the previous ``WINDOW`` rounds."""
     by_round: dict[int, list[tuple[tuple[str, str], float]]] = {}
     for r, _, (a, b) in comparisons:
-        key = (min(a.numeric_class, b.numeric_class), max(a.numeric_class, b.numeric_class))
+        key = class_pair(a.numeric_class, b.numeric_class)
         by_round.setdefault(r, []).append((key, distance(a.sketch, b.sketch)))
     agreed: list[tuple[int, tuple[str, str], float]] = []
     tolerances: dict[tuple[int, tuple[str, str]], float] = {}
@@ -234,7 +235,7 @@ def calibrated(comparisons: list[tuple[int, str, list[Report]]]) -> Callable[[in
                 agreed.append((r, key, d))
 
     def tol(r: int, a: str, b: str) -> float:
-        key = (min(a, b), max(a, b))
+        key = class_pair(a, b)
         return tolerances.get((r, key), tolerance(a, b))
 
     return tol
@@ -252,14 +253,8 @@ def summarize(
         if r < first_round:
             continue
         a, b = reports
-        verdict = judge(
-            reports,
-            {
-                (min(a.numeric_class, b.numeric_class), max(a.numeric_class, b.numeric_class)): tol(
-                    r, a.numeric_class, b.numeric_class
-                )
-            },
-        )
+        pair = class_pair(a.numeric_class, b.numeric_class)
+        verdict = judge(reports, {pair: tol(r, *pair)})
         d = next(iter(verdict.distances.values()))
         entry = out.setdefault(name, {"comparisons": 0, "dissent": 0, "distance_min": d, "distance_max": d})
         entry["comparisons"] += 1

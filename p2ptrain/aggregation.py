@@ -99,7 +99,7 @@ def centered_clip(
     xs = torch.stack([p.double().reshape(-1) for p in parts])
     v = coordinate_median(xs)
     distances = torch.linalg.vector_norm(xs - v, dim=1)
-    spread = _median(distances)
+    spread = float(coordinate_median(distances))  # each distance a "part" of one value
     tau = clip_radius * spread
     if tau == 0.0:  # most parts are equal: that value is the answer
         return Aggregated(v.float().reshape(parts[0].shape), _indices(distances > 0))
@@ -122,13 +122,6 @@ def centered_clip(
 
 def _indices(mask: torch.Tensor) -> tuple[int, ...]:
     return tuple(int(i) for i in mask.nonzero().flatten())
-
-
-def _median(values: torch.Tensor) -> float:
-    """The median of a 1-D tensor (torch's is the lower middle value of an even count; this is their mean)."""
-    ordered = values.sort().values
-    n = len(ordered)
-    return float((ordered[(n - 1) // 2] + ordered[n // 2]) / 2)
 
 
 def aggregator(cfg: AveragingConfig) -> Aggregate:

@@ -254,7 +254,7 @@ class SwarmMemory:
             votes = saved.get("final_votes")
             for pid, vote in (votes if isinstance(votes, dict) else {}).items():
                 if isinstance(vote, list) and len(vote) in (2, 3):  # 2: a checkpoint from before `serves`
-                    serves = vote[2] is not False if len(vote) == 3 else True
+                    serves = len(vote) == 2 or vote[2] is not False
                     self._final_votes.setdefault(str(pid), Vote(str(vote[0]), int(vote[1]), serves))
 
 

@@ -111,9 +111,14 @@ MAX_TOLERANCE = 0.25
 """No calibration may raise a tolerance above this: the nearest attack measured (poisoned data) is 0.37."""
 
 
+def class_pair(a: str, b: str) -> tuple[str, str]:
+    """The key of two numeric classes in :data:`Tolerances`: in sorted order."""
+    return (min(a, b), max(a, b))
+
+
 def tolerance(a: str, b: str, tolerances: Tolerances | None = None) -> float:
     """The largest distance at which replicas of classes ``a`` and ``b`` still agree."""
-    key = (min(a, b), max(a, b))
+    key = class_pair(a, b)
     if tolerances and key in tolerances:
         return min(tolerances[key], MAX_TOLERANCE)
     if a == b:
