@@ -34,7 +34,7 @@ import os
 import threading
 import time
 import typing
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -95,6 +95,7 @@ class ExactAllReduceRunner(AllReduceRunner):
         tensors: Sequence[torch.Tensor],
         peer_fractions,
         max_weight: float = math.inf,
+        weights: Mapping[str, float] | None = None,
         aggregate: Aggregate = mean,
         on_fault: Callable[[PeerID, Fault, str], None] | None = None,
         on_part_served: Callable[[], None] | None = None,
@@ -102,6 +103,8 @@ class ExactAllReduceRunner(AllReduceRunner):
     ):
         self._on_part_served = on_part_served
         self.max_weight = max_weight
+        self.weights = weights or {}
+        """A verifiable round's verdict: the weight each sender counts with, whatever it claims."""
         self._on_fault = on_fault
         container_kwargs = {
             k: kwargs[k]
@@ -237,6 +240,7 @@ class ExactAllReduceRunner(AllReduceRunner):
                 if problem is not None:
                     self._fault(sender, Fault.MISBEHAVED, f"as a sender, its part {part_index}: {problem}")
                     break
+                weight = self.weights.get(sender.to_base58(), weight)
                 try:
                     averaged_part = await self.tensor_part_reducer.accumulate_part(
                         sender_index, part_index, tensor_part, weight=weight
@@ -435,6 +439,10 @@ class LeftOut:
         self._until[peer] = max(self._until.get(peer, -1), until)
         return self._until[peer]
 
+    def for_round(self, peer: str, round: int) -> None:
+        """Leave ``peer`` out of ``round`` only (a verifiable round's verdict: its work was not verified)."""
+        self._until[peer] = max(self._until.get(peer, -1), round)
+
     def excludes(self, peer: str, round: int) -> bool:
         return round <= self._until.get(peer, -1)
 
@@ -465,6 +473,7 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
         self._max_weight = max_weight
         self._max_state_bytes = max_state_bytes
         self._left_out = LeftOut()
+        self._weights: dict[int, dict[str, float]] = {}
         self._round = -1
         self._members: set[str] = set()
         self._members_read_at = -math.inf
@@ -550,6 +559,8 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
         self, request: averaging_pb2.DownloadRequest, context: P2PContext
     ) -> typing.AsyncIterator[averaging_pb2.DownloadData]:
         await self._admit(context.remote_id, "to send it the state")
+        if self._left_out.excludes(context.remote_id.to_base58(), math.inf):
+            raise PermissionError(f"{self.peer_id} serves no state to {context.remote_id}: it is banned")
         async for message in super().rpc_download_state(request, context):
             yield message
 
@@ -593,6 +604,28 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
 
         matchmaking._request_join_group = ask_unless_left_out
         matchmaking._guarded = True
+
+    def leave_out(
+        self, peers: Sequence[str], round: float, weights: Mapping[str, float] | None = None
+    ) -> None:
+        """Never average with ``peers`` in ``round`` (``math.inf``: ever again, nor serve them our state):
+        refuse them in matchmaking and in a group another leader formed. ``weights``: the weight each other
+        peer counts with in ``round`` (a verifiable round's verdict), whatever it claims."""
+        future = MPFuture()
+        kwargs = dict(peers=list(peers), round=round, weights=dict(weights or {}), future=future)
+        self._outer_pipe.send(("_leave_out", [], kwargs))
+        future.result()
+
+    async def _leave_out(self, peers: list[str], round: float, weights: dict, future: MPFuture) -> None:
+        for peer in peers:
+            if round == math.inf:
+                self._left_out.fault(peer, Fault.MISBEHAVED, self._round)
+            else:
+                self._left_out.for_round(peer, int(round))
+        if weights:
+            self._weights = {r: w for r, w in self._weights.items() if r >= round - 1}  # the current ones
+            self._weights[int(round)] = weights
+        future.set_result(None)
 
     def _left_out_now(self, peer: PeerID) -> bool:
         return self._left_out.excludes(peer.to_base58(), self._round)
@@ -670,7 +703,11 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
     def _make_runner(self, **kwargs) -> ExactAllReduceRunner:
         """The runner of one all-reduce (tests subclass this to fail at a chosen moment)."""
         return ExactAllReduceRunner(
-            max_weight=self._max_weight, aggregate=self._aggregate, on_fault=self._on_fault, **kwargs
+            max_weight=self._max_weight,
+            weights=self._weights.get(self._round),
+            aggregate=self._aggregate,
+            on_fault=self._on_fault,
+            **kwargs,
         )
 
     def download_state_from(self, peers: Sequence[str], timeout: float) -> tuple[str, Any, list] | None:
@@ -853,6 +890,12 @@ class SwarmAverager:
                 if self.stop.is_set():
                     control.cancel()
                     raise _Stopped() from None
+
+    def leave_out(self, peers: Sequence[str], round: int, weights: Mapping[str, float] | None = None) -> None:
+        self._averager.leave_out(peers, round, weights)
+
+    def ban(self, peers: Sequence[str]) -> None:
+        self._averager.leave_out(peers, math.inf)
 
     def set_round(self, round: int) -> None:
         """Tell donors-to-be which round our state is (higher rounds are preferred by hivemind's loader)."""

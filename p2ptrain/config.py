@@ -202,6 +202,31 @@ class AveragingConfig(_Section):
         return self
 
 
+class VerificationConfig(_Section):
+    replicas: int = Field(default=1, ge=1, le=3)
+    """Peers per data shard in a round: 1 turns verification off (robust aggregation, averaging.aggregator,
+    still guards the average); 2 or 3 make rounds verifiable: untrusted peers share their shard with
+    trusted ones, replicas compare sketches of their pseudo-gradients, and a replica group that disagrees
+    is left out of the average. Every peer of a run must use the same value."""
+    audit_fraction: float = Field(default=0.1, ge=0.0, le=1.0)
+    """Chance that a trusted peer shares its shard with another trusted peer in a round (an audit). 0:
+    trusted peers are never checked again; 1: every shard is trained twice."""
+    rounds_to_trust: int = Field(default=8, ge=1)
+    """Verified rounds in agreement after which a peer is trusted (and stops needing a partner)."""
+    strikes_to_ban: int = Field(default=2, ge=1)
+    """Convictions within verification.strike_window_rounds that ban a peer for the rest of the run."""
+    strike_window_rounds: int = Field(default=64, ge=1)
+    """How many rounds a conviction counts towards a ban."""
+    tolerance: float = Field(default=0.02, gt=0.0, le=0.25)
+    """Largest relative distance between the sketches of two replicas of the same numeric class (device and
+    dtype) that still agree. Honest float32 replicas measured at most 0.0017; the nearest attack 0.37."""
+    mixed_tolerance: float = Field(default=0.15, gt=0.0, le=0.25)
+    """The same between replicas of different numeric classes (float32 vs bfloat16 measured 0.01 to 0.21)."""
+    reveal_timeout_s: float = Field(default=60.0, gt=0.0)
+    """How long a replica waits for its groupmates' nonces and sketches before it judges without them (a
+    peer that does not reveal is left out of the round)."""
+
+
 class SwarmConfig(_Section):
     initial_peers: list[str] = []
     """Multiaddrs of peers already in the swarm, e.g. /ip4/203.0.113.5/tcp/31337/p2p/12D3Koo...
@@ -343,6 +368,8 @@ class ExperimentConfig(BaseSettings):
     """The outer optimizer and the length of the run."""
     averaging: AveragingConfig = AveragingConfig()
     """How peers find each other and average each round."""
+    verification: VerificationConfig = VerificationConfig()
+    """Checking peers' work by replicas (docs/architecture.md#verification)."""
     swarm: SwarmConfig = SwarmConfig()
     """Networking: how this peer joins and talks to the swarm."""
     device: DeviceConfig = DeviceConfig()
@@ -405,6 +432,8 @@ class ExperimentConfig(BaseSettings):
     def training_hash(self) -> str:
         """Hash of the sections that must agree across peers (and across a checkpoint and its resume)."""
         shared = self.model_dump(mode="json", include={"run", "model", "data", "inner", "outer"})
+        if self.verification.replicas > 1:  # only then: older runs' checkpoints keep their hash
+            shared["verification"] = self.verification.model_dump(mode="json")
         return hashlib.sha256(json.dumps(shared, sort_keys=True).encode()).hexdigest()[:16]
 
 

@@ -8,7 +8,7 @@ in-memory swarm instead (``tests/memswarm.py``), so that the round protocol runs
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -57,6 +57,13 @@ class PeerAverager(Protocol):
         ...
 
     def set_round(self, round: int) -> None: ...
+
+    def leave_out(self, peers: Sequence[str], round: int, weights: Mapping[str, float] | None = None) -> None:
+        """Refuse to average with ``peers`` in ``round`` (they were not verified); count each other peer
+        with its weight in ``weights`` (the verdict's), whatever it claims."""
+
+    def ban(self, peers: Sequence[str]) -> None:
+        """Never average with ``peers`` again, nor serve them our state."""
 
     def shutdown(self) -> None: ...
 

@@ -339,13 +339,18 @@ def roster(me: Me, others: Records) -> tuple[int, int]:
     Peers loading into our round count: they are about to train it (at the start of a run every peer is
     ``loading`` until its first inner phase, and peers that see different rosters train overlapping data).
     """
+    ordered = roster_ids(me, others)
+    return ordered.index(me.peer_id), len(ordered)
+
+
+def roster_ids(me: Me, others: Records) -> list[str]:
+    """The sorted ids of the live peers of our round, us included (see :func:`roster`)."""
     ids = {
         pid
         for pid, r in others.items()
         if r.round == me.round and r.state in (PeerState.LOADING, PeerState.TRAINING, PeerState.AVERAGING)
     }
-    ordered = sorted(ids | {me.peer_id})
-    return ordered.index(me.peer_id), len(ordered)
+    return sorted(ids | {me.peer_id})
 
 
 class BarrierState(str, Enum):

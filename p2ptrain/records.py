@@ -19,12 +19,14 @@ from enum import Enum
 from typing import Any
 
 # hivemind's SchemaValidator speaks pydantic v1; the DHT record models use its compatibility module.
-from pydantic.v1 import BaseModel, StrictBool, confloat, conint, constr
+from pydantic.v1 import BaseModel, StrictBool, conbytes, confloat, conint, conlist, constr
 
 MAX_COUNT = 2**53
 """Largest integer a record may carry (exact in a float64, far beyond any real sample count)."""
 MAX_RATE = 1e12
 """Largest throughput a record may claim, in samples per second."""
+SKETCH_VALUES = 1024
+"""Values in a verification sketch (verify.SKETCH_WIDTH)."""
 
 
 class PeerState(str, Enum):
@@ -71,6 +73,27 @@ class ProgressRecord(BaseModel):
     """Short hash of the sorted ids of the live peers this peer sees (see :class:`SplitWatch`)."""
     serves: StrictBool = True
     """Whether it serves its state: False for a client-mode peer, which nobody can download from."""
+    # A verifiable round's claims (verification.replicas > 1; verify.judge_round reads them), empty otherwise.
+    numeric_class: constr(strict=True, max_length=32) = ""  # type: ignore[valid-type]
+    """Where it trains: device/dtype (cpu/float32, cuda/bfloat16...). Replicas of one class agree closer."""
+    shard: constr(strict=True, regex=r"^([0-9]{1,9}/[0-9]{1,9})?$") = ""  # type: ignore[valid-type]
+    """The shard of ``round`` it trains, ``index/count`` of the round's assignment."""
+    replicas: conlist(constr(strict=True, min_length=1, max_length=128), max_items=3) = []  # type: ignore[valid-type]
+    """The replica group it trains that shard with, itself included (sorted)."""
+    seal: constr(strict=True, regex=r"^[0-9a-f]{0,64}$") = ""  # type: ignore[valid-type]
+    """verify.sealed(digest, nonce), published when its inner phase is done, before anyone reveals."""
+    digest: constr(strict=True, regex=r"^[0-9a-f]{0,64}$") = ""  # type: ignore[valid-type]
+    """verify.commitment of its pseudo-gradient, revealed with the nonce."""
+    nonce: constr(strict=True, regex=r"^[0-9a-f]{0,32}$") = ""  # type: ignore[valid-type]
+    """Revealed once every groupmate has sealed: the group's sketch seed is made of its members' nonces."""
+    sketch: conbytes(strict=True, max_length=4 * SKETCH_VALUES) = b""  # type: ignore[valid-type]
+    """verify.sketch of its pseudo-gradient under the group's seed, float32 little-endian."""
+    ref_round: conint(strict=True, ge=-1, le=MAX_COUNT) = -1  # type: ignore[valid-type]
+    """As a referee: the round of the dissenting replica group whose shard it recomputed (-1: none)."""
+    ref_group: conlist(constr(strict=True, min_length=1, max_length=128), max_items=3) = []  # type: ignore[valid-type]
+    """That group."""
+    ref_sketch: conbytes(strict=True, max_length=4 * SKETCH_VALUES) = b""  # type: ignore[valid-type]
+    """The sketch of its recomputation, under the group's seed."""
 
     class Config:
         extra = "forbid"

@@ -36,6 +36,7 @@ from p2ptrain.records import PeerState, ProgressRecord, global_round
 
 if TYPE_CHECKING:
     from p2ptrain.diloco import OuterStepReport
+    from p2ptrain.verify import Reputation, RoundVerdict
 
 NODE = CollectorRegistry(auto_describe=True)
 """What every process exports: process, platform and GC series, who it is, the swarm as it sees it."""
@@ -126,6 +127,31 @@ OUTLIER_PARTS = Counter(
     "the others' spread: averaging.reject_radius).",
     registry=PEER,
 )
+VERIFIED_GROUPS = Counter(
+    "p2ptrain_verification_groups",
+    "Replica groups of verifiable rounds that this peer judged, by outcome: agree (their work counts) or "
+    "dissent (the whole group is left out of the round).",
+    ["outcome"],
+    registry=PEER,
+)
+LEFT_OUT_PEERS = Counter(
+    "p2ptrain_verification_left_out",
+    "Peers that this peer left out of a verifiable round's average, by why (verify.Why: dissent, unmatched, "
+    "unrevealed, banned).",
+    ["reason"],
+    registry=PEER,
+)
+TRUSTED_PEERS = Gauge(
+    "p2ptrain_verification_trusted_peers",
+    "Peers this peer counts as trusted (verification.rounds_to_trust rounds in agreement).",
+    registry=PEER,
+)
+BANNED_PEERS = Gauge("p2ptrain_verification_banned_peers", "Peers banned from the run.", registry=PEER)
+CONVICTIONS = Counter(
+    "p2ptrain_verification_convictions",
+    "Strikes against peers: a referee's recomputation of a dissenting group's shard disagreed with them.",
+    registry=PEER,
+)
 ROUND = Gauge("p2ptrain_round", "The outer round this peer is in.", registry=PEER)
 STATE_LOADS = Counter(
     "p2ptrain_state_loads", "Swarm states this peer downloaded from other peers.", registry=PEER
@@ -155,6 +181,10 @@ PEER_STATES = tuple(s.value for s in PeerState if s != PeerState.LEFT)
 
 for _reason in FAILURE_REASONS:  # every series exists from the start, at 0, so rate() and alerts work
     OUTER_STEP_FAILURES.labels(reason=_reason)
+for _outcome in ("agree", "dissent"):
+    VERIFIED_GROUPS.labels(outcome=_outcome)
+for _why in ("dissent", "unmatched", "unrevealed", "banned"):
+    LEFT_OUT_PEERS.labels(reason=_why)
 for _state in PEER_STATES:
     SWARM_PEERS.labels(state=_state)
 
@@ -205,6 +235,23 @@ def observe_outer_step(
     GROUP_SIZE.set(report.group_size)
     VALIDATION_LOSS.set(val_loss)
     ROUND.set(round)
+
+
+def observe_verdict(verdict: RoundVerdict, reputation: Reputation) -> None:
+    """A verifiable round was judged (``verify.judge_round``)."""
+    VERIFIED_GROUPS.labels(outcome="agree").inc(len(verdict.agreed))
+    VERIFIED_GROUPS.labels(outcome="dissent").inc(len(verdict.dissent))
+    for why in verdict.left_out.values():
+        LEFT_OUT_PEERS.labels(reason=why.value).inc()
+    TRUSTED_PEERS.set(sum(reputation.trusted(p) for p in reputation.agreed))
+    BANNED_PEERS.set(len(reputation.banned))
+
+
+def observe_convictions(convicted: list[str], banned: set[str], reputation: Reputation) -> None:
+    """A referee's report was read: ``convicted`` got a strike, ``banned`` are banned from now on."""
+    CONVICTIONS.inc(len(convicted))
+    BANNED_PEERS.set(len(reputation.banned))
+    TRUSTED_PEERS.set(sum(reputation.trusted(p) for p in reputation.agreed))
 
 
 def observe_swarm(records: dict[str, ProgressRecord]) -> None:

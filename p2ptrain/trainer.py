@@ -11,6 +11,7 @@ that the whole round protocol runs in one process.
 
 from __future__ import annotations
 
+import secrets
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from p2ptrain import checkpoint, protocol, telemetry
+from p2ptrain import checkpoint, protocol, telemetry, verify
 from p2ptrain.compression import ErrorFeedback, codec_for
 from p2ptrain.config import ExperimentConfig
 from p2ptrain.data import Corpus, load_corpus
@@ -36,6 +37,9 @@ from p2ptrain.records import PeerState, ProgressRecord, live
 from p2ptrain.transfer import donation, fetch_state
 
 log = get_logger(__name__)
+
+DISPUTE_ROUNDS = 4
+"""Rounds a dispute waits for its referee's report before it is dropped (a referee settles one per round)."""
 
 # ------------------------------------------------------------------------------------------- outcomes
 
@@ -82,6 +86,8 @@ class RoundStats:
     started: float = field(default_factory=time.monotonic)
     inner_s: float = 0.0
     sync_s: float = 0.0
+    share: float = 1.0
+    """The factor of this peer's weight in the average: 1 / its replica group's size in a verifiable round."""
 
     @property
     def loss(self) -> float:
@@ -119,6 +125,22 @@ class Trainer:
         """What this peer has seen of the swarm (kept in its checkpoints)."""
         self.backoff = protocol.DonorBackoff(base_s=cfg.swarm.heartbeat_s, max_s=cfg.swarm.record_ttl_s)
         self.last_group_size = 0
+        v = cfg.verification
+        self.verifying = v.replicas > 1
+        """Verifiable rounds: replicas of a shard compare sketches of their work (verify.py)."""
+        self.reputation = verify.Reputation(
+            rounds_to_trust=v.rounds_to_trust, strikes_to_ban=v.strikes_to_ban, window=v.strike_window_rounds
+        )
+        """Trust and bans from verdicts; part of the state (donated, checkpointed), so the swarm shares one."""
+        self.verdicts: list[tuple[int, verify.RoundVerdict]] = []
+        """Every verifiable round's verdict this peer reached, in order."""
+        self._replicas: tuple[str, ...] = ()
+        self._shard = ""
+        self.disputes: list[verify.Dispute] = []
+        """Dissenting replica groups whose referee has not reported yet."""
+        self._referee_jobs: list[tuple[verify.Dispute, list[torch.Tensor]]] = []
+        self._my_referee_report: tuple[int, tuple[str, ...], torch.Tensor] | None = None
+        self._digest = self._nonce = ""
 
     @property
     def round(self) -> int:
@@ -139,12 +161,19 @@ class Trainer:
                 if stranded is not None or self.round >= self.cfg.outer.num_rounds:
                     break
                 bind(round=self.round)
+                self.referee()  # a dissent we were drawn to settle: recompute its shard first
                 stats = self.inner_phase()
                 if self.stop.is_set():
                     break
+                if self.verifying:
+                    self.seal()
                 group = self.barrier()
                 if group is None:  # the swarm moved on while we trained (our work is stale), or a stop
                     continue
+                if self.verifying:
+                    group = self.verify_round(group, stats)
+                    if group is None:  # our replica group was left out: the round's result comes from others
+                        continue
                 report = self.outer_sync(group, stats)
                 self.log_round(report, stats)
                 self.maybe_checkpoint()
@@ -224,7 +253,12 @@ class Trainer:
     def join_swarm(self) -> None:
         """Publish ourselves, and wait for the swarm's records (and ``swarm.min_peers``) to show up."""
         cfg = self.cfg.swarm
-        self.board.update(round=self.round, state=PeerState.LOADING, params_hash=self.diloco.params_hash())
+        self.board.update(
+            round=self.round,
+            state=PeerState.LOADING,
+            params_hash=self.diloco.params_hash(),
+            numeric_class=self.numeric_class,
+        )
         self.board.start()
         if cfg.initial_peers or cfg.initial_peers_file:
             # Records take a moment to reach a new DHT node; give the swarm two heartbeats to show up.
@@ -297,13 +331,26 @@ class Trainer:
         return None
 
     def inner_phase(self) -> RoundStats:
-        """H local AdamW steps on this peer's shard of the round."""
+        """H local AdamW steps on this peer's shard of the round.
+
+        In a verifiable round the shard comes from the round's assignment, and the inner optimizer and the
+        learning rate start afresh: what a replica computes depends on the round's params and shard only.
+        """
         cfg = self.cfg
-        rank, world = protocol.roster(self.me(), self._visible())
+        if self.verifying:
+            self._await_roster()
+            rank, world, self._replicas = self.assignment()
+            self.inner_opt = make_optimizer(self.diloco.model_params, cfg.inner)
+            first_step = self.round * cfg.inner.num_inner_steps
+            self._shard = f"{rank}/{world}"
+            claims = dict(self._no_claims(), shard=self._shard, replicas=list(self._replicas))
+        else:
+            rank, world = protocol.roster(self.me(), self._visible())
+            first_step, claims = self.inner_steps_total, {}
         starts = self.corpus.shard(seed=cfg.run.seed, round=self.round, rank=rank, world=world)
         batches = self.corpus.batches(starts, cfg.inner.batch_size)
         stats = RoundStats()
-        self.board.update(state=PeerState.TRAINING, samples_round=0)
+        self.board.update(state=PeerState.TRAINING, samples_round=0, **claims)
         self.model.train()
         last_beat = time.monotonic()
         dtype = getattr(torch, cfg.device.dtype)
@@ -323,7 +370,7 @@ class Trainer:
                     self.inner_opt,
                     x.to(self.device, non_blocking=True),
                     y.to(self.device, non_blocking=True),
-                    lr=inner_lr(cfg.inner, self.inner_steps_total),
+                    lr=inner_lr(cfg.inner, first_step + stats.steps),
                     grad_clip=cfg.inner.grad_clip,
                     autocast_dtype=dtype,
                 )
@@ -403,6 +450,274 @@ class Trainer:
             self.load_state(donors, why="rebase", expect=canon, rebase=True, round=self.round)
         return decision.ready
 
+    # ------------------------------------------------------------------- a verifiable round's phases
+
+    def assignment(self) -> tuple[int, int, tuple[str, ...]]:
+        """Our shard of this round (index, count) and its replica group: :func:`verify.assign` over the
+        round's roster, seeded by the round's params."""
+        me, others = self.me(), self._visible()
+        members = [
+            verify.Member(pid, self._numeric_class_of(pid, others), self.reputation.trusted(pid))
+            for pid in protocol.roster_ids(me, others)
+            if pid not in self.reputation.banned
+        ]
+        v = self.cfg.verification
+        seed = verify.assignment_seed(self.cfg.run.run_id, self.round, me.params_hash)
+        plan = verify.assign(members, seed, replicas=v.replicas, audit_fraction=v.audit_fraction)
+        index = plan.shard_of(self.peer_id)
+        if index is None:  # we are banned in our own view: train the roster rank's shard, nobody counts it
+            rank, world = protocol.roster(me, others)
+            return rank, world, (self.peer_id,)
+        return index, plan.shards, plan.groups[index]
+
+    def _await_roster(self) -> None:
+        """Wait while peers of the previous round are still averaging or sitting it out: they are about to
+        come into ours, and replicas must compute the round's assignment from the same roster."""
+        deadline = time.monotonic() + self.cfg.verification.reveal_timeout_s
+        with self._waiting() as waiting:
+            while time.monotonic() < deadline and not self.stop.is_set():
+                records = live(self._others())
+                coming = [
+                    p
+                    for p, r in records.items()
+                    if r.round == self.round - 1 and r.state == PeerState.AVERAGING
+                ]
+                if not coming:
+                    return
+                waiting.update(f"round {self.round}: waiting for the roster", coming=len(coming))
+                self.stop.wait(self._poll_s)
+
+    def seal(self) -> None:
+        """Publish a seal of our pseudo-gradient and a fresh nonce, before anyone reveals anything."""
+        self._digest = verify.commitment(self.diloco.pseudo_gradient())
+        self._nonce = secrets.token_hex(16)
+        self.board.update(seal=verify.sealed(self._digest, self._nonce))
+
+    def verify_round(self, group: list[ProgressRecord], stats: RoundStats) -> list[ProgressRecord] | None:
+        """Reveal, sketch, and judge the round; return the groupmates to average with, or None if our own
+        replica group is left out (we then sit the round out and get its result from the swarm).
+
+        Our nonce is revealed once every replica groupmate has sealed; the sketch's seed is made of the
+        group's nonces, so nobody knew it while fixing their pseudo-gradient. The verdict
+        (:func:`verify.judge_round`) reads the records only: every honest peer of the group reaches the same.
+        """
+        round_ = self.round
+        deadline = time.monotonic() + self.cfg.verification.reveal_timeout_s
+        ready = {r.peer_id for r in group}
+        mates = [p for p in self._replicas if p != self.peer_id and p in ready]
+        self._await_claims(mates, "seal", round_, deadline)
+        self.board.update(digest=self._digest, nonce=self._nonce)
+        seen = self._await_claims(mates, "nonce", round_, deadline)
+        nonces = [self._nonce, *(seen[p].nonce for p in mates if p in seen)]
+        sketch = verify.sketch(
+            self.diloco.pseudo_gradient(), verify.group_seed(self.cfg.run.run_id, round_, nonces)
+        )
+        self.board.update(sketch=sketch.float().numpy().tobytes())
+        seen = self._await_claims(sorted(ready), "sketch", round_, deadline)
+        claims = [verify.Claim.of(r) for r in seen.values()]
+        claims.append(
+            verify.Claim(
+                self.peer_id,
+                self.numeric_class,
+                self._shard,
+                self._replicas,
+                seal=verify.sealed(self._digest, self._nonce),
+                digest=self._digest,
+                nonce=self._nonce,
+                sketch=sketch.float().double(),  # as the others read it from our record
+            )
+        )
+        self.settle_disputes(round_)  # referees' reports on earlier rounds: strikes and bans count from now
+        verdict = verify.judge_round(
+            claims,
+            run_id=self.cfg.run.run_id,
+            round=round_,
+            trusted=self.reputation.trusted,
+            banned=self.reputation.banned.__contains__,
+            tolerances=self._tolerances,
+        )
+        self.verdicts.append((round_, verdict))
+        self.reputation.agree([p for g in verdict.agreed for p in g])
+        telemetry.observe_verdict(verdict, self.reputation)
+        if verdict.left_out:
+            self.log.warning(
+                "left peers out of the round: their work was not verified",
+                round=round_,
+                left_out={p[-8:]: why.value for p, why in sorted(verdict.left_out.items())},
+                distances={f"{a[-8:]}-{b[-8:]}": round(d, 4) for (a, b), d in verdict.distances.items()},
+            )
+        found = verify.disputes(
+            verdict, claims, run_id=self.cfg.run.run_id, round=round_, trusted=self.reputation.trusted
+        )
+        for dispute in found:
+            self.log.info(
+                "a referee will recompute a dissenting group's shard",
+                round=round_,
+                group=[p[-8:] for p in dispute.group],
+                referee=dispute.referee[-8:],
+            )
+            self.disputes.append(dispute)
+            if dispute.referee == self.peer_id:  # we recompute it next round, from this round's params
+                self._referee_jobs.append((dispute, [m.clone() for m in self.diloco.master]))
+        if self.peer_id in verdict.left_out:
+            self.diloco.reset_model()
+            self._sit_out(round_, [p for p in verdict.shares])
+            return None
+        # Reducers count each groupmate with the verdict's weight (a full inner phase's samples, shared by
+        # its replicas), never with what it claims.
+        full = self.cfg.inner.num_inner_steps * self.cfg.inner.batch_size
+        weights = {p: full * share for p, share in verdict.shares.items()}
+        self.averager.leave_out([p for p in verdict.left_out if p != self.peer_id], round_, weights)
+        stats.share = verdict.shares[self.peer_id]
+        return [r for r in group if r.peer_id in verdict.shares]
+
+    def referee(self) -> None:
+        """Recompute a dissenting group's shard of an earlier round from that round's params, exactly as its
+        replicas were to, and publish the sketch under the group's seed (one dispute per round)."""
+        if not self._referee_jobs:
+            return
+        dispute, start = self._referee_jobs.pop(0)
+        shard = verify.parse_shard(dispute.shard, self.corpus.num_train_windows())
+        if shard is None:
+            self.log.warning(
+                "cannot referee: the group claimed a shard that does not exist", shard=dispute.shard
+            )
+            return
+        self.log.info("refereeing", round=dispute.round, group=[p[-8:] for p in dispute.group])
+        delta = self._replay(dispute.round, *shard, start)
+        sketch = verify.sketch(delta, dispute.seed)
+        self.board.update(
+            ref_round=dispute.round,
+            ref_group=list(dispute.group),
+            ref_sketch=sketch.float().numpy().tobytes(),
+        )
+        self._my_referee_report = (dispute.round, dispute.group, sketch.float().double())
+
+    def _replay(self, round_: int, index: int, count: int, start: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The pseudo-gradient of shard ``index/count`` of ``round_`` from params ``start``: the steps of a
+        verifiable round's inner phase, without its reporting."""
+        cfg = self.cfg
+        with torch.no_grad():
+            for p, s in zip(self.diloco.model_params, start):
+                p.copy_(s.to(p.device, p.dtype))
+        optimizer = make_optimizer(self.diloco.model_params, cfg.inner)
+        starts = self.corpus.shard(seed=cfg.run.seed, round=round_, rank=index, world=count)
+        batches = self.corpus.batches(starts, cfg.inner.batch_size)
+        self.model.train()
+        for step in range(cfg.inner.num_inner_steps):
+            x, y = next(batches)
+            inner_step(
+                self.model,
+                self.diloco.model_params,
+                optimizer,
+                x.to(self.device),
+                y.to(self.device),
+                lr=inner_lr(cfg.inner, round_ * cfg.inner.num_inner_steps + step),
+                grad_clip=cfg.inner.grad_clip,
+                autocast_dtype=getattr(torch, cfg.device.dtype),
+            )
+        with torch.no_grad():
+            delta = [s - p.detach().to("cpu", torch.float32) for s, p in zip(start, self.diloco.model_params)]
+        self.diloco.reset_model()
+        return delta
+
+    def settle_disputes(self, round_: int) -> None:
+        """Read the referees' reports on pending disputes: strike (and perhaps ban) whom a referee convicts.
+
+        A referee is a pure function of the verdict, and its report sits in its signed record: every peer
+        that saw the dispute convicts the same peers. A dispute whose referee has not reported within
+        ``DISPUTE_ROUNDS`` rounds is dropped: nobody is convicted.
+        """
+        records = self._others()
+        pending = []
+        for dispute in self.disputes:
+            report = self._referee_report(dispute, records)
+            if report is None:
+                if round_ - dispute.round < DISPUTE_ROUNDS:
+                    pending.append(dispute)
+                else:
+                    self.log.warning(
+                        "a dispute went unsettled: its referee never reported",
+                        round=dispute.round,
+                        referee=dispute.referee[-8:],
+                    )
+                continue
+            convicted = sorted(verify.refereed(dispute.reports, report, self._tolerances))
+            banned = self.reputation.convict(convicted, dispute.round)
+            telemetry.observe_convictions(convicted, banned, self.reputation)
+            if banned:
+                self.averager.ban(sorted(banned))
+            log_ = self.log.warning if convicted else self.log.info
+            log_(
+                "a referee settled a dispute",
+                round=dispute.round,
+                group=[p[-8:] for p in dispute.group],
+                convicted=[p[-8:] for p in convicted],
+                banned=[p[-8:] for p in sorted(banned)],
+                strikes={p[-8:]: len(self.reputation.strikes.get(p, [])) for p in convicted},
+            )
+        self.disputes = pending
+
+    def _referee_report(
+        self, dispute: verify.Dispute, records: dict[str, ProgressRecord]
+    ) -> verify.Report | None:
+        if dispute.referee == self.peer_id:
+            mine = self._my_referee_report
+            if mine is None or mine[:2] != (dispute.round, dispute.group):
+                return None
+            return verify.Report(self.peer_id, self.numeric_class, mine[2], float(mine[2].norm()))
+        r = records.get(dispute.referee)
+        if r is None or r.ref_round != dispute.round or tuple(sorted(r.ref_group)) != dispute.group:
+            return None
+        claim = verify.Claim.of(r.copy(update={"sketch": r.ref_sketch}))
+        if claim.sketch is None:
+            return None
+        return verify.Report(r.peer_id, r.numeric_class, claim.sketch, float(claim.sketch.norm()))
+
+    @property
+    def _tolerances(self) -> verify.Tolerances:
+        v = self.cfg.verification
+        return verify.ByClass(v.tolerance, v.mixed_tolerance)
+
+    def _await_claims(
+        self, peers: Sequence[str], field_name: str, round_: int, deadline: float
+    ) -> dict[str, ProgressRecord]:
+        """Wait until every one of ``peers`` that is still in our round shows ``field_name`` in its record,
+        or ``deadline``; return their records of our round."""
+        with self._waiting() as waiting:
+            while True:
+                records = {pid: r for pid, r in self._others().items() if pid in peers}
+                here = {
+                    pid: r
+                    for pid, r in records.items()
+                    if r.round == round_ and r.state == PeerState.AVERAGING
+                }
+                missing = [pid for pid, r in here.items() if not getattr(r, field_name)]
+                if not missing or time.monotonic() > deadline or self.stop.is_set():
+                    return here
+                waiting.update(f"round {round_}: waiting for replicas' {field_name}", missing=len(missing))
+                self.stop.wait(self._poll_s)
+
+    def _sit_out(self, round_: int, counted: Sequence[str]) -> None:
+        """Wait while the peers that count finish ``round_`` without us (the loop then loads their state), or
+        until they cannot still be averaging."""
+        a = self.cfg.averaging
+        deadline = time.monotonic() + (1 + a.retries) * (a.matchmaking_timeout_s + a.allreduce_timeout_s)
+        with self._waiting() as waiting:
+            while time.monotonic() < deadline and not self.stop.is_set():
+                records = self._others()
+                busy = [
+                    p
+                    for p in counted
+                    if p in records and records[p].round == round_ and records[p].state == PeerState.AVERAGING
+                ]
+                if not busy:
+                    return
+                waiting.update(
+                    f"round {round_}: left out, waiting for the swarm's result", averaging=len(busy)
+                )
+                self.stop.wait(self._poll_s)
+
     def outer_sync(self, group: list[ProgressRecord], stats: RoundStats) -> OuterStepReport:
         """Average pseudo-gradients with ``group`` (weighted by samples) and take the outer step."""
         t0 = time.monotonic()
@@ -412,7 +727,7 @@ class Trainer:
             waiting.update(f"round {round_}: averaging", peers=len(group) + 1)
             report = self.diloco.sync(
                 None if alone else self.averager,
-                weight=max(stats.samples, 1),
+                weight=max(stats.samples, 1) * stats.share,
                 round=round_,
                 fallback=self._may_step_alone,
             )
@@ -427,6 +742,7 @@ class Trainer:
             params_hash=self.diloco.params_hash(),
             last_group_size=self.last_group_size,
             samples_round=0,
+            **self._no_claims(),
         )
         self.averager.set_round(self.round)
         return report
@@ -556,8 +872,11 @@ class Trainer:
         What this peer had seen of the swarm comes back from every file there (a diverged final included,
         though it is never resumed from): a peer left behind before its restart is still behind.
         """
-        for path in checkpoint.candidates(self.checkpoint_dir, resumable_only=False):
-            self.memory.restore(checkpoint.read_swarm_memory(path))
+        for i, path in enumerate(checkpoint.candidates(self.checkpoint_dir, resumable_only=False)):
+            saved = checkpoint.read_swarm_memory(path)
+            self.memory.restore(saved)
+            if i == 0:  # the newest file's reputation (candidates come newest first)
+                self.reputation.restore(saved.get("reputation"))
         resumed = checkpoint.resume_latest(
             self.checkpoint_dir,
             self.model,
@@ -568,6 +887,8 @@ class Trainer:
                 "refused a checkpoint", path=str(path), reason=reason
             ),
         )
+        if self.verifying and self.reputation.banned:
+            self.averager.ban(sorted(self.reputation.banned))
         if resumed is None:
             return
         path, state = resumed
@@ -614,7 +935,7 @@ class Trainer:
                 self.diloco.rebase(delta)
             self.backoff.succeeded(donor)
             self.memory.behind_since = None  # progress: the catch-up timeout starts over
-            self.board.update(round=self.round, params_hash=self.diloco.params_hash())
+            self.board.update(round=self.round, params_hash=self.diloco.params_hash(), **self._no_claims())
             self.averager.set_round(self.round)
             telemetry.STATE_LOADS.inc()
             telemetry.ROUND.set(self.round)
@@ -651,13 +972,21 @@ class Trainer:
             self.diloco.load_state_tensors(tensors, round=meta["round"])
         except ValueError as e:  # shapes or values that do not fit this model
             return str(e)
+        if self.verifying:  # trust and bans are part of the swarm's state: newcomers judge as the swarm does
+            self.reputation.restore(meta.get("reputation"))
+            if self.reputation.banned:
+                self.averager.ban(sorted(self.reputation.banned))
         return None
 
     def _donation(self) -> tuple[dict, list[torch.Tensor]]:
-        """What a newcomer downloads from us: global params, outer momentum, round (a consistent snapshot)."""
-        return donation(
+        """What a newcomer downloads from us: global params, outer momentum, round (a consistent snapshot),
+        and in verifiable runs the swarm's reputation."""
+        meta, tensors = donation(
             self.diloco.snapshot(), run_id=self.cfg.run.run_id, config_hash=self.cfg.training_hash()
         )
+        if self.verifying:
+            meta["reputation"] = self.reputation.to_dict()
+        return meta, tensors
 
     def save(self, name: Outcome | str) -> Path:
         """Checkpoint under ``checkpoint.dir``; a final model file leaves out the inner optimizer (2x the
@@ -669,7 +998,7 @@ class Trainer:
             self.diloco,
             self.cfg,
             peer_id=self.peer_id,
-            swarm=self.memory.to_dict(),
+            swarm={**self.memory.to_dict(), "reputation": self.reputation.to_dict()},
             inner_optimizer=None if name in (Outcome.FINAL, Outcome.DIVERGED) else self.inner_opt,
             counters={
                 "inner_steps_total": self.inner_steps_total,
@@ -689,6 +1018,23 @@ class Trainer:
             serves=not self.cfg.swarm.client_mode,
         )
 
+    @property
+    def numeric_class(self) -> str:
+        """Where this peer computes, as verification compares replicas: device/dtype."""
+        return f"{self.device.type}/{self.cfg.device.dtype}"
+
+    def _numeric_class_of(self, peer: str, records: dict[str, ProgressRecord]) -> str:
+        if peer == self.peer_id:
+            return self.numeric_class
+        r = records.get(peer)
+        return r.numeric_class if r is not None and r.numeric_class else "?"
+
+    def _no_claims(self) -> dict:
+        """Record fields that clear a verifiable round's claims (a new round starts without any)."""
+        if not self.verifying:
+            return {}
+        return dict(shard="", replicas=[], seal="", digest="", nonce="", sketch=b"")
+
     def _others(self) -> dict[str, ProgressRecord]:
         """The other peers' records (left ones included). Every reading also reaches ``self.memory``, through
         the board's subscription."""
@@ -696,8 +1042,12 @@ class Trainer:
 
     def _in_run(self, records: dict[str, ProgressRecord]) -> dict[str, ProgressRecord]:
         """Other peers' records that can be true: no round of this run is past ``outer.num_rounds``."""
-        last = self.cfg.outer.num_rounds
-        return {pid: r for pid, r in records.items() if pid != self.peer_id and r.round <= last}
+        last, banned = self.cfg.outer.num_rounds, self.reputation.banned
+        return {
+            pid: r
+            for pid, r in records.items()
+            if pid != self.peer_id and r.round <= last and pid not in banned
+        }
 
     def _visible(self) -> dict[str, ProgressRecord]:
         """The other peers' records that the round's decisions look at (see ``SwarmMemory.visible``)."""

@@ -32,13 +32,15 @@ from __future__ import annotations
 import hashlib
 import math
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
 import torch
 
-SKETCH_WIDTH = 1024
+from p2ptrain.records import SKETCH_VALUES, ProgressRecord
+
+SKETCH_WIDTH = SKETCH_VALUES
 """Values in a sketch: the distance estimate's relative error is about sqrt(1 / width), 3% here."""
 
 
@@ -124,6 +126,26 @@ def tolerance(a: str, b: str, tolerances: Tolerances | None = None) -> float:
     if a == b:
         return DEFAULT_TOLERANCE
     return MIXED_PRECISION_TOLERANCE
+
+
+class ByClass(Mapping):
+    """:data:`Tolerances` from two numbers: ``same`` for replicas of one numeric class, ``mixed`` otherwise
+    (the ``verification.tolerance`` and ``verification.mixed_tolerance`` settings)."""
+
+    def __init__(self, same: float, mixed: float):
+        self.same, self.mixed = same, mixed
+
+    def __getitem__(self, key: tuple[str, str]) -> float:
+        return self.same if key[0] == key[1] else self.mixed
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, tuple) and len(key) == 2
+
+    def __iter__(self):
+        return iter(())
+
+    def __len__(self) -> int:
+        return 0
 
 
 CALIBRATION_MARGIN = 1.5
@@ -302,3 +324,254 @@ class Reputation:
 
     def trusted(self, peer: str) -> bool:
         return peer not in self.banned and self.agreed.get(peer, 0) >= self.rounds_to_trust
+
+    MAX_PEERS = 4096
+    """The most peers a saved reputation may name (it travels in the state that newcomers download)."""
+
+    def to_dict(self) -> dict:
+        return {
+            "agreed": dict(self.agreed),
+            "strikes": {p: list(r) for p, r in self.strikes.items()},
+            "banned": sorted(self.banned),
+        }
+
+    def restore(self, saved: object) -> None:
+        """Take over a saved reputation (a checkpoint's, or a donor's state's); a malformed one is ignored
+        whole: it came from a file or a stranger."""
+        if not isinstance(saved, Mapping):
+            return
+        agreed, strikes, banned = saved.get("agreed"), saved.get("strikes"), saved.get("banned")
+        ok = (
+            isinstance(agreed, Mapping)
+            and isinstance(strikes, Mapping)
+            and isinstance(banned, list)
+            and max(len(agreed), len(strikes), len(banned)) <= self.MAX_PEERS
+            and all(isinstance(p, str) and type(n) is int and n >= 0 for p, n in agreed.items())
+            and all(
+                isinstance(p, str) and isinstance(r, list) and all(type(x) is int for x in r[:64])
+                for p, r in strikes.items()
+            )
+            and all(isinstance(p, str) for p in banned)
+        )
+        if not ok:
+            return
+        self.agreed = dict(agreed)
+        self.strikes = {p: list(r[-64:]) for p, r in strikes.items()}
+        self.banned = set(banned)
+
+
+# ------------------------------------------------------------------------------- a verifiable round
+
+
+def assignment_seed(run_id: str, round: int, params_hash: str) -> int:
+    """The seed of a round's :func:`assign`: from the round's params, which no single peer chose."""
+    text = f"{run_id}\nassign\n{round}\n{params_hash}"
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little")
+
+
+def sealed(digest: str, nonce: str) -> str:
+    """What a replica publishes before anyone reveals: it binds its pseudo-gradient's :func:`commitment` and
+    a nonce. The nonce, revealed once every groupmate has sealed, seeds the group's sketches; since it was
+    fixed by the seal, the last replica to reveal cannot grind the seed."""
+    return hashlib.sha256(f"{digest}\n{nonce}".encode()).hexdigest()
+
+
+def group_seed(run_id: str, round: int, nonces: Sequence[str]) -> int:
+    """The seed of a replica group's sketches: every member's revealed nonce (in any order)."""
+    return sketch_seed(run_id, round, [f"nonce:{n}" for n in nonces])
+
+
+@dataclass(frozen=True)
+class Claim:
+    """What one peer of a verifiable round published about its work (its progress record's fields)."""
+
+    peer: str
+    numeric_class: str
+    shard: str
+    """Which shard it trained, ``index/count`` of the round's assignment."""
+    replicas: tuple[str, ...]
+    """The replica group it trained the shard with (itself included), as its assignment said."""
+    seal: str = ""
+    digest: str = ""
+    nonce: str = ""
+    sketch: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, record: ProgressRecord) -> Claim:
+        """A peer's claim as its record states it (a sketch of the wrong size reads as none)."""
+        raw = record.sketch
+        sketch = None
+        if len(raw) == 4 * SKETCH_WIDTH:
+            sketch = torch.frombuffer(bytearray(raw), dtype=torch.float32).double()
+        return cls(
+            record.peer_id,
+            record.numeric_class,
+            record.shard,
+            tuple(record.replicas),
+            seal=record.seal,
+            digest=record.digest,
+            nonce=record.nonce,
+            sketch=sketch,
+        )
+
+    @property
+    def revealed(self) -> bool:
+        return bool(self.nonce and self.digest) and sealed(self.digest, self.nonce) == self.seal
+
+
+class Why(str, Enum):
+    """Why a peer of a verifiable round is left out of its average."""
+
+    BANNED = "banned"
+    DISSENT = "dissent"
+    """Its replica group disagrees: the whole group is left out (and a referee decides who was wrong)."""
+    UNMATCHED = "unmatched"
+    """Untrusted, and no complete replica group backs it (a groupmate claimed another group or shard, or
+    left)."""
+    UNREVEALED = "unrevealed"
+    """Its group did not reveal (a nonce that does not open its seal, or no sketch) in time."""
+
+
+@dataclass(frozen=True)
+class RoundVerdict:
+    """Who counts in a verifiable round's average, and with what share of its weight."""
+
+    shares: dict[str, float]
+    """Peer -> the factor of its weight: 1 / its replica group's size (a shard counts once), 1 alone."""
+    left_out: dict[str, Why]
+    agreed: tuple[tuple[str, ...], ...]
+    """Replica groups (of two or more) that agree."""
+    dissent: tuple[tuple[str, ...], ...]
+    distances: dict[tuple[str, str], float]
+
+
+def judge_round(
+    claims: Sequence[Claim],
+    *,
+    run_id: str,
+    round: int,
+    trusted: Callable[[str], bool],
+    banned: Callable[[str], bool] = lambda peer: False,
+    tolerances: Tolerances | None = None,
+) -> RoundVerdict:
+    """The verdict on a verifiable round: a pure function of its claims, so every honest peer reaches it.
+
+    A replica group counts when every member claims the same group and shard, every member's nonce opens
+    its seal, every sketch is there and :func:`judge` agrees. A peer that claims to have trained alone counts
+    only if it is trusted (:func:`assign` never leaves an untrusted peer alone while it has anyone to share
+    with).
+    """
+    by_peer = {c.peer: c for c in claims}
+    shares: dict[str, float] = {}
+    left_out: dict[str, Why] = {}
+    agreed: list[tuple[str, ...]] = []
+    dissent: list[tuple[str, ...]] = []
+    distances: dict[tuple[str, str], float] = {}
+    for claim in sorted(claims, key=lambda c: c.peer):
+        peer = claim.peer
+        if peer in shares or peer in left_out:
+            continue
+        if banned(peer):
+            left_out[peer] = Why.BANNED
+            continue
+        group = tuple(sorted(set(claim.replicas) | {peer}))
+        members = [by_peer.get(p) for p in group]
+        complete = len(group) > 1 and all(
+            m is not None and m.shard == claim.shard and tuple(sorted(m.replicas)) == group for m in members
+        )
+        if not complete:
+            if trusted(peer):
+                shares[peer] = 1.0  # trained alone (or its partner vanished): its trust vouches for it
+            else:
+                left_out[peer] = Why.UNMATCHED
+            continue
+        mates = [m for m in members if m is not None]
+        if any(banned(m.peer) for m in mates):
+            for m in mates:
+                left_out.setdefault(m.peer, Why.BANNED if banned(m.peer) else Why.DISSENT)
+            dissent.append(group)
+            continue
+        if not all(m.revealed and m.sketch is not None for m in mates):
+            for m in mates:
+                left_out[m.peer] = Why.UNREVEALED
+            continue
+        reports = [Report(m.peer, m.numeric_class, m.sketch, float(m.sketch.norm())) for m in mates]
+        verdict = judge(reports, tolerances)
+        distances.update(verdict.distances)
+        if verdict.outcome == Outcome.AGREE:
+            agreed.append(group)
+            for m in mates:
+                shares[m.peer] = 1.0 / len(group)
+        else:
+            dissent.append(group)
+            for m in mates:
+                left_out[m.peer] = Why.DISSENT
+    return RoundVerdict(shares, left_out, tuple(agreed), tuple(dissent), distances)
+
+
+# ------------------------------------------------------------------------------------------- referees
+
+
+@dataclass(frozen=True)
+class Dispute:
+    """A replica group that dissented in ``round``: its reports, and who recomputes its shard."""
+
+    round: int
+    group: tuple[str, ...]
+    shard: str
+    seed: int
+    """The group's sketch seed: the referee sketches its recomputation with it."""
+    referee: str
+    reports: tuple[Report, ...]
+
+
+def referee_for(
+    group: Sequence[str],
+    candidates: Sequence[str],
+    *,
+    run_id: str,
+    round: int,
+    trusted: Callable[[str], bool],
+) -> str | None:
+    """Who recomputes a dissenting group's shard: one of ``candidates`` (the peers that counted in the round,
+    so they hold its params), trusted ones first, drawn by a hash of the round and the group; the same on
+    every peer that reached the same verdict. None if nobody outside the group counted."""
+    pool = sorted(set(candidates) - set(group))
+    if not pool:
+        return None
+
+    def draw(peer: str) -> tuple[bool, bytes]:
+        text = f"{run_id}\nreferee\n{round}\n{','.join(sorted(group))}\n{peer}"
+        return (not trusted(peer), hashlib.sha256(text.encode()).digest())
+
+    return min(pool, key=draw)
+
+
+def disputes(
+    verdict: RoundVerdict, claims: Sequence[Claim], *, run_id: str, round: int, trusted: Callable[[str], bool]
+) -> list[Dispute]:
+    """The round's dissenting groups that a referee can settle (every member revealed and sketched)."""
+    by_peer = {c.peer: c for c in claims}
+    found = []
+    for group in verdict.dissent:
+        if any(verdict.left_out.get(p) == Why.BANNED for p in group):
+            continue  # a banned member took it down: nothing to settle
+        members = [by_peer.get(p) for p in group]
+        if not all(m is not None and m.revealed and m.sketch is not None for m in members):
+            continue
+        referee = referee_for(group, list(verdict.shares), run_id=run_id, round=round, trusted=trusted)
+        if referee is None:
+            continue
+        reports = tuple(Report(m.peer, m.numeric_class, m.sketch, float(m.sketch.norm())) for m in members)
+        seed = group_seed(run_id, round, [m.nonce for m in members])
+        found.append(Dispute(round, tuple(group), members[0].shard, seed, referee, reports))
+    return found
+
+
+def parse_shard(shard: str, num_windows: int) -> tuple[int, int] | None:
+    """``index/count`` as claimed by a peer, if it names a shard that exists."""
+    index, sep, count = shard.partition("/")
+    if not (sep and index.isdigit() and count.isdigit()):
+        return None
+    i, n = int(index), int(count)
+    return (i, n) if 0 <= i < n <= num_windows else None

@@ -266,6 +266,8 @@ class MemoryAverager:
     def download_state(self, donors, timeout: float):
         self._peer.check_alive()
         for donor_id in donors:
+            if self._peer.peer_id in self._peer.swarm.banned_by.get(donor_id, set()):
+                continue  # as ExactAverager.rpc_download_state: a banned peer is served nothing
             got = self._peer.swarm.donate(donor_id)
             if got is not None:
                 return (donor_id, *got)
@@ -273,6 +275,15 @@ class MemoryAverager:
 
     def set_round(self, round: int) -> None:
         pass
+
+    def leave_out(self, peers, round: int, weights=None) -> None:
+        with self._peer.swarm._lock:
+            self._peer.swarm.left_out.setdefault((self._peer.peer_id, round), set()).update(peers)
+            self._peer.swarm.verdict_weights.setdefault(round, {}).update(weights or {})
+
+    def ban(self, peers) -> None:
+        with self._peer.swarm._lock:
+            self._peer.swarm.banned_by.setdefault(self._peer.peer_id, set()).update(peers)
 
     def shutdown(self) -> None:
         pass
@@ -298,6 +309,12 @@ class MemorySwarm:
         self.forged_downloads = 0
         self._peers: dict[str, _Peer] = {}
         self._groups: dict[int, _Group] = {}
+        self.left_out: dict[tuple[str, int], set[str]] = {}
+        self.verdict_weights: dict[int, dict[str, float]] = {}
+        """round -> the weight each peer counts with, by its groupmates' verdict (never its claim)."""
+        self.banned_by: dict[str, set[str]] = {}
+        """peer -> whom it banned: never averaged with, never served."""
+        """(peer, round) -> whom that peer refuses to average with in that round (a verdict)."""
         self._lock = threading.Condition()
 
     # --- the board
@@ -377,6 +394,15 @@ class MemorySwarm:
     def _close(self, group: _Group, min_group_size: int) -> None:
         """Under the lock: decide every member's outcome of this group's all-reduce."""
         members = sorted(group.members, key=lambda m: m[0].peer_id)
+        # As hivemind's matchmaking with ExactAverager's refusals: a peer that a member left out of this round
+        # finds no group (it may still come; a hostile one would).
+        refused = set().union(
+            *(self.left_out.get((m[0].peer_id, group.round), set()) for m in members),
+            *(self.banned_by.get(m[0].peer_id, set()) for m in members),
+        )
+        for m in [m for m in members if m[0].peer_id in refused]:
+            group.results[m[0].peer_id] = AveragingFailed("no_group", "left out by its groupmates")
+            members.remove(m)
         ids = [m[0].peer_id for m in members]
         if len(members) < max(min_group_size, 2):
             for pid in ids:
@@ -384,7 +410,8 @@ class MemorySwarm:
         else:
             # The reducers' aggregate, tensor by tensor: hivemind's parts, when every tensor fits in one part.
             aggregate = aggregator(members[0][0].cfg.averaging)
-            weights = [w for _, _, w in members]
+            verdict = self.verdict_weights.get(group.round, {})
+            weights = [verdict.get(m.peer_id, w) for m, _, w in members]
             average = [
                 aggregate([t[i] for _, t, _ in members], weights).tensor for i in range(len(members[0][1]))
             ]
@@ -448,11 +475,13 @@ class PeerThread:
 
     started: list[PeerThread] = []  # every one, so that a fixture can stop those a failed test left running
 
-    def __init__(self, swarm: MemorySwarm, name: str, cfg: ExperimentConfig):
+    def __init__(
+        self, swarm: MemorySwarm, name: str, cfg: ExperimentConfig, trainer_cls: type[Trainer] = Trainer
+    ):
         PeerThread.started.append(self)
         self.name, self.cfg = name, cfg
         self.stop = threading.Event()
-        self.trainer = Trainer(cfg, stop=self.stop, connect=swarm.connect(name))
+        self.trainer = trainer_cls(cfg, stop=self.stop, connect=swarm.connect(name))
         self.result: RunResult | BaseException | None = None
         self._thread = threading.Thread(target=self._run, name=f"trainer-{name}", daemon=True)
         self._thread.start()

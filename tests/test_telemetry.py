@@ -27,6 +27,7 @@ def test_metric_names_follow_prometheus_conventions():
     labels = {s.name: set(s.labels) - {"le"} for f in families for s in f.samples}
     assert {k for v in labels.values() for k in v} <= {
         "reason",
+        "outcome",
         "state",
         "peer_id",
         "run_id",

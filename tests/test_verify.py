@@ -5,18 +5,29 @@ from __future__ import annotations
 import pytest
 import torch
 
+from p2ptrain.records import PeerState, ProgressRecord
 from p2ptrain.verify import (
     MAX_TOLERANCE,
+    ByClass,
+    Claim,
     Member,
     Outcome,
     Report,
     Reputation,
+    Why,
     assign,
+    assignment_seed,
     calibrate,
     commitment,
+    disputes,
     distance,
+    group_seed,
     judge,
+    judge_round,
+    parse_shard,
+    referee_for,
     refereed,
+    sealed,
     sketch,
     sketch_seed,
     tolerance,
@@ -200,3 +211,148 @@ def test_a_calibrated_tolerance_follows_honest_agreement_between_its_floor_and_t
     assert calibrate([0.0, 0.0], floor=0.02) == 0.02  # replicas that agreed exactly do not make it zero
     assert calibrate([0.05, 0.1], floor=0.02) == pytest.approx(0.15)
     assert calibrate([0.2, 5.0], floor=0.02) == MAX_TOLERANCE  # a liar inside the window gains little
+
+
+# ------------------------------------------------------------------------------- a verifiable round
+
+
+def claim(
+    peer: str, group: tuple[str, ...], work, *, shard: str = "0/2", nonce: str = "ab", cls="cpu/float32"
+):
+    """A peer's honest claim: sealed, revealed, sketched under its group's seed."""
+    digest = commitment(work)
+    seed = group_seed("r", 3, ["ab"] * len(group))
+    return Claim(peer, cls, shard, group, sealed(digest, nonce), digest, nonce, sketch(work, seed))
+
+
+def verdict_of(claims, trusted=(), banned=()):
+    return judge_round(
+        claims,
+        run_id="r",
+        round=3,
+        trusted=lambda p: p in trusted,
+        banned=lambda p: p in banned,
+        tolerances=ByClass(0.02, 0.15),
+    )
+
+
+def test_agreeing_replicas_count_once_per_shard_and_a_dissenting_group_is_left_out_whole():
+    honest, other = delta(1), delta(2)
+    claims = [
+        claim("a", ("a", "b"), honest),
+        claim("b", ("a", "b"), nearby(honest, 0.001)),
+        claim("c", ("c", "x"), other, shard="1/2"),
+        claim("x", ("c", "x"), [-10 * t for t in other], shard="1/2"),
+    ]
+    v = verdict_of(claims)
+    assert v.shares == {"a": 0.5, "b": 0.5}
+    assert v.left_out == {"c": Why.DISSENT, "x": Why.DISSENT}
+    assert v.agreed == (("a", "b"),) and v.dissent == (("c", "x"),)
+    assert v.distances[("a", "b")] < 0.02 < v.distances[("c", "x")]
+
+
+def test_claims_that_do_not_match_count_only_for_trusted_peers():
+    work = delta(1)
+    claims = [
+        claim("a", ("a",), work),  # trained alone
+        claim("b", ("b", "c"), work),  # its partner claims another group
+        claim("c", ("c", "d"), work),
+        claim("e", ("e", "f"), work),  # its partner never showed up
+    ]
+    v = verdict_of(claims, trusted={"a", "e"})
+    assert v.shares == {"a": 1.0, "e": 1.0}
+    assert v.left_out == {"b": Why.UNMATCHED, "c": Why.UNMATCHED}
+    # The same claims with nobody trusted: nobody counts.
+    assert verdict_of(claims).shares == {}
+
+
+def test_a_reveal_that_does_not_open_its_seal_leaves_its_group_out():
+    work = delta(1)
+    good = claim("a", ("a", "b"), work)
+    bad = claim("b", ("a", "b"), work)
+    reground = Claim(
+        bad.peer, bad.numeric_class, bad.shard, bad.replicas, bad.seal, bad.digest, "cd", bad.sketch
+    )
+    v = verdict_of([good, reground])
+    assert v.left_out == {"a": Why.UNREVEALED, "b": Why.UNREVEALED} and not v.shares
+    unsketched = Claim("b", "cpu/float32", "0/2", ("a", "b"), bad.seal, bad.digest, bad.nonce, None)
+    assert verdict_of([good, unsketched]).left_out["a"] == Why.UNREVEALED
+
+
+def test_a_banned_peer_counts_for_nothing_and_takes_its_group_down():
+    work = delta(1)
+    v = verdict_of([claim("a", ("a", "x"), work), claim("x", ("a", "x"), work)], banned={"x"})
+    assert v.left_out == {"a": Why.DISSENT, "x": Why.BANNED}
+
+
+def test_the_assignment_seed_and_a_groups_sketch_seed_are_nobodys_choice():
+    assert assignment_seed("r", 3, "aa") != assignment_seed("r", 3, "ab") != assignment_seed("r", 4, "aa")
+    assert group_seed("r", 3, ["n1", "n2"]) == group_seed("r", 3, ["n2", "n1"])
+    assert group_seed("r", 3, ["n1", "n2"]) != group_seed("r", 3, ["n1", "n3"])
+    assert sealed("d", "n1") != sealed("d", "n2") and sealed("d", "n1") != sealed("e", "n1")
+
+
+def test_a_reputation_survives_a_round_trip_and_a_malformed_one_is_ignored_whole():
+    rep = Reputation(rounds_to_trust=1)
+    rep.agree(["a"])
+    rep.convict(["x"], round=3)
+    again = Reputation(rounds_to_trust=1)
+    again.restore(rep.to_dict())
+    assert again.to_dict() == rep.to_dict() and again.trusted("a")
+    for bad in (None, [], {"agreed": {"a": -1}, "strikes": {}, "banned": []}, {"agreed": {}, "strikes": {}}):
+        fresh = Reputation()
+        fresh.restore(bad)
+        assert fresh.to_dict() == Reputation().to_dict()
+
+
+def test_a_sketch_survives_the_record():
+    work = delta(1)
+    s = sketch(work, 7)
+    record = ProgressRecord(
+        peer_id="a",
+        round=3,
+        state=PeerState.AVERAGING,
+        params_hash="ab",
+        samples_round=1,
+        samples_total=1,
+        samples_per_s=1.0,
+        last_group_size=1,
+        device="cpu",
+        time=1.0,
+        shard="0/2",
+        replicas=["a", "b"],
+        sketch=s.float().numpy().tobytes(),
+    )
+    parsed = Claim.of(ProgressRecord.parse_obj(record.wire()))
+    assert parsed.replicas == ("a", "b") and distance(parsed.sketch, s) < 1e-6
+    too_short = Claim.of(record.copy(update={"sketch": b"\0" * 8}))
+    assert too_short.sketch is None
+
+
+def test_a_dissent_goes_to_a_referee_that_everyone_names_alike_and_that_is_not_in_the_group():
+    honest, other = delta(1), delta(2)
+    claims = [
+        claim("a", ("a", "b"), honest),
+        claim("b", ("a", "b"), honest),
+        claim("c", ("c", "x"), other, shard="1/2"),
+        claim("x", ("c", "x"), [-10 * t for t in other], shard="1/2"),
+    ]
+    v = verdict_of(claims)
+    (dispute,) = disputes(v, claims, run_id="r", round=3, trusted=lambda p: False)
+    assert dispute.group == ("c", "x") and dispute.shard == "1/2" and dispute.referee in {"a", "b"}
+    assert dispute.seed == group_seed("r", 3, ["ab", "ab"])
+    # Trusted peers referee first; the draw depends on nobody's choice but the round and the group.
+    assert referee_for(("c", "x"), ["a", "b"], run_id="r", round=3, trusted=lambda p: p == "b") == "b"
+    assert referee_for(("c", "x"), ["c", "x"], run_id="r", round=3, trusted=lambda p: True) is None
+    # The referee's recomputation convicts the one that sent flipped work, not its honest partner.
+    referee = Report("a", "cpu/float32", sketch(nearby(other, 0.001), dispute.seed), 1.0)
+    assert refereed(dispute.reports, referee, ByClass(0.02, 0.15)) == {"x"}
+    # A group that a banned member took down needs no referee.
+    banned = verdict_of(claims, banned={"x"})
+    assert disputes(banned, claims, run_id="r", round=3, trusted=lambda p: False) == []
+
+
+def test_a_claimed_shard_is_read_only_if_it_exists():
+    assert parse_shard("1/2", 10) == (1, 2)
+    for bad in ("2/2", "1/11", "-1/2", "1/", "a/b", "", "1/2/3"):
+        assert parse_shard(bad, 10) is None, bad

@@ -59,6 +59,11 @@ def main(argv: list[str] | None = None) -> int:
             if out.returncode != 0:
                 failed = [line for line in out.stdout.splitlines() if line.startswith(("FAILED", "ERROR"))]
                 print("\n".join(failed) or out.stdout[-3000:], flush=True)
+                # Keep the whole report: a failure that shows up once in five busy runs must be readable.
+                report = ROOT / "bench" / "results" / f"under-load-failure-{i + 1}.txt"
+                report.parent.mkdir(parents=True, exist_ok=True)
+                report.write_text(out.stdout + out.stderr)
+                print(f"full report: {report}", flush=True)
     finally:
         for h in hogs:
             h.terminate()

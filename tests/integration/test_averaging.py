@@ -327,3 +327,24 @@ def test_a_groupmate_sending_ten_times_its_flipped_pseudo_gradient_is_left_out(s
     else:
         assert error > 2 * spread, (error, spread)
         assert all(r.outliers == {} for r in results)
+
+
+def test_reducers_count_each_groupmate_with_the_verdicts_weight_and_refuse_whom_it_left_out(swarm_of):
+    """A verifiable round's verdict, handed to each averager: the weights it gives, never the claimed ones
+    (the third peer claims 5 where the verdict gives it 1), and a fourth peer it left out finds no group."""
+    averagers = swarm_of(4, compression="none", aggregator="mean", target_group_size=4)
+    ids = [a.peer_id for a in averagers]
+    xs, claimed = inputs(4), [1.0, 1.0, 5.0, 1.0]
+    verdict = {ids[0]: 1.0, ids[1]: 1.0, ids[2]: 1.0}
+    for a in averagers[:3]:
+        a.leave_out([ids[3]], 4, verdict)
+    results = run_parallel(
+        [lambda a=a, x=x, w=w: a.average(x, weight=w, round=4) for a, x, w in zip(averagers, xs, claimed)]
+    )
+    expected = [sum(x[k] for x in xs[:3]) / 3 for k in range(len(SHAPES))]
+    for r in results[:3]:
+        assert not isinstance(r, Exception), r
+        assert sorted(r.peers) == sorted(ids[:3])
+        for k in range(len(SHAPES)):
+            assert torch.allclose(r.tensors[k], expected[k], atol=1e-5), "a claimed weight was used"
+    assert isinstance(results[3], Exception) or ids[3] not in results[0].peers

@@ -1,0 +1,87 @@
+"""Verifiable rounds end to end on an in-memory swarm: replicas of a shard seal, reveal and compare sketches
+of their pseudo-gradients, and a replica group that disagrees is left out of the round's average.
+
+The pure parts (sketches, verdicts, assignment, reputation) are tested in test_verify.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from p2ptrain.trainer import Trainer
+from p2ptrain.verify import Why
+from tests.memswarm import MemorySwarm, PeerThread
+from tests.test_rounds import assert_swarm_contract, finish, start
+
+
+@pytest.fixture(autouse=True)
+def _stop_peers_left_running():
+    yield
+    PeerThread.stop_all()
+
+
+VERIFY = {"replicas": 2, "rounds_to_trust": 100, "reveal_timeout_s": 20.0}
+
+
+class FlipsItsWork(Trainer):
+    """A key holder that trains as told, then commits to (and sends) -10 times its pseudo-gradient."""
+
+    def inner_phase(self):
+        stats = super().inner_phase()
+        with torch.no_grad():
+            for p, m in zip(self.diloco.model_params, self.diloco.master):
+                p.copy_(m + 10 * (m - p))  # so that master - local is -10 times the honest one
+        return stats
+
+
+def test_honest_replicas_agree_every_round_and_everyone_counts(tmp_path):
+    swarm = MemorySwarm()
+    peers = start(swarm, tmp_path, ["a", "b", "c", "d"], verification=VERIFY)
+    finish(peers)
+    assert_swarm_contract(tmp_path, peers, ["a", "b", "c", "d"])
+    for name, p in peers.items():
+        rounds = [r for r, _ in p.trainer.verdicts]
+        assert rounds == list(range(p.cfg.outer.num_rounds)), (name, rounds)
+        for r, verdict in p.trainer.verdicts:
+            assert not verdict.left_out, (name, r, verdict.left_out, verdict.distances)
+            assert len(verdict.agreed) == 2 and all(len(g) == 2 for g in verdict.agreed), (name, r, verdict)
+            assert max(verdict.distances.values()) <= 0.02, verdict.distances
+        assert p.trainer.rounds_applied == list(range(p.cfg.outer.num_rounds))
+
+
+def test_a_replica_that_commits_to_flipped_work_is_left_out_with_its_group(tmp_path):
+    swarm = MemorySwarm()
+    names = ["a", "b", "c", "x"]
+    peers = {
+        name: PeerThread(swarm, name, cfg, FlipsItsWork if name == "x" else Trainer)
+        for name, cfg in _configs(tmp_path, names).items()
+    }
+    finish(peers)
+    x = swarm.peer_id("x")
+    for name in ("a", "b", "c"):
+        verdicts = peers[name].trainer.verdicts
+        judged = [v for _, v in verdicts if x in v.left_out or any(x in g for g in v.agreed)]
+        assert judged, f"{name} never judged x"
+        for verdict in judged:
+            assert verdict.left_out.get(x) in (Why.DISSENT, Why.BANNED), verdict
+            assert all(x not in g for g in verdict.agreed)
+        # A referee recomputed the dissenting shard: x is struck for each attacked round, and banned at the
+        # second strike (verification.strikes_to_ban); nobody else is ever struck.
+        reputation = peers[name].trainer.reputation
+        assert set(reputation.strikes) == {x}, reputation.strikes
+        assert reputation.banned == {x}
+        banned_in = next(r for r, v in verdicts if v.left_out.get(x) == Why.BANNED)
+        assert banned_in <= 2, verdicts
+    assert_swarm_contract(tmp_path, peers, ["a", "b", "c"])
+
+
+def _configs(tmp_path, names):
+    from tests.memswarm import fast_config
+
+    sections = {
+        "swarm": {"min_peers": len(names)},
+        "averaging": {"target_group_size": len(names)},
+        "verification": VERIFY,
+    }
+    return {name: fast_config(tmp_path, name, **sections) for name in names}
