@@ -26,7 +26,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -163,6 +163,21 @@ class LocalStatus:
     last_group_size: int = 0
     seen: int = 0
     view: str = ""
+    # A verifiable round's claims (records.ProgressRecord documents them).
+    numeric_class: str = ""
+    shard: str = ""
+    replicas: list[str] = field(default_factory=list)
+    seal: str = ""
+    digest: str = ""
+    nonce: str = ""
+    sketch: bytes = b""
+    ref_round: int = -1
+    ref_group: list[str] = field(default_factory=list)
+    ref_sketch: bytes = b""
+
+
+_AT_ONCE = {"state", "round", "params_hash", "seal", "nonce", "sketch", "ref_sketch"}
+"""Changes published at once, not with the next beat: replicas and the barrier wait on them."""
 
 
 class Swarm:
@@ -228,29 +243,20 @@ class Swarm:
         the next beat."""
         state_changed = "state" in changes and changes["state"] != self.status.state
         for key, value in changes.items():
+            if not hasattr(self.status, key):
+                raise AttributeError(f"a progress record has no field {key!r}")
             setattr(self.status, key, value)
-        if state_changed or "round" in changes or "params_hash" in changes:
+        if state_changed or (changes.keys() & _AT_ONCE) - {"state"}:
             if self._heartbeat is not None:
                 self._wake.set()
             else:
                 self.publish()
 
     def publish(self) -> None:
-        s = self.status
+        fields = asdict(self.status)
+        fields["samples_per_s"] = float(fields["samples_per_s"])
         record = ProgressRecord(
-            peer_id=self.peer_id,
-            round=s.round,
-            state=s.state,
-            params_hash=s.params_hash,
-            samples_round=s.samples_round,
-            samples_total=s.samples_total,
-            samples_per_s=float(s.samples_per_s),
-            last_group_size=s.last_group_size,
-            device=self.device,
-            time=time.time(),
-            seen=s.seen,
-            view=s.view,
-            serves=self.serves,
+            peer_id=self.peer_id, device=self.device, time=time.time(), serves=self.serves, **fields
         )
         with self._lock:
             self.dht.store(

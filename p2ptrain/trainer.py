@@ -539,12 +539,19 @@ class Trainer:
         self.verdicts.append((round_, verdict))
         self.reputation.agree([p for g in verdict.agreed for p in g])
         telemetry.observe_verdict(verdict, self.reputation)
+        self.log.info(
+            "verified the round",
+            round=round_,
+            agreed=[[p[-8:] for p in g] for g in verdict.agreed],
+            dissent=[[p[-8:] for p in g] for g in verdict.dissent],
+            counted=len(verdict.shares),
+            distances={f"{a[-8:]}-{b[-8:]}": round(d, 4) for (a, b), d in verdict.distances.items()},
+        )
         if verdict.left_out:
             self.log.warning(
                 "left peers out of the round: their work was not verified",
                 round=round_,
                 left_out={p[-8:]: why.value for p, why in sorted(verdict.left_out.items())},
-                distances={f"{a[-8:]}-{b[-8:]}": round(d, 4) for (a, b), d in verdict.distances.items()},
             )
         found = verify.disputes(
             verdict, claims, run_id=self.cfg.run.run_id, round=round_, trusted=self.reputation.trusted
@@ -650,7 +657,8 @@ class Trainer:
             log_ = self.log.warning if convicted else self.log.info
             log_(
                 "a referee settled a dispute",
-                round=dispute.round,
+                round=round_,
+                dispute_round=dispute.round,
                 group=[p[-8:] for p in dispute.group],
                 convicted=[p[-8:] for p in convicted],
                 banned=[p[-8:] for p in sorted(banned)],

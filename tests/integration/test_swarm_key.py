@@ -154,3 +154,29 @@ def test_a_peer_without_a_record_is_refused_at_every_averaging_rpc(logs, keyed):
     part = errors["rpc_aggregate_part"]
     assert part == "nothing served" or "has no progress record in run 't'" in part, part
     assert "peer that is not in this run" in logged(logs, "refused an averaging request")
+
+
+def test_a_verifiable_rounds_claims_travel_in_the_signed_record(keyed):
+    """Seal, nonce, sketch and a referee's report go through the real DHT's schema and signature checks."""
+    _, (first, second), _ = keyed
+    claims = dict(
+        numeric_class="cpu/float32",
+        shard="1/2",
+        replicas=sorted([first.peer_id, second.peer_id]),
+        seal="ab" * 32,
+        digest="cd" * 32,
+        nonce="ef" * 16,
+        sketch=bytes(range(256)) * 16,
+        ref_round=3,
+        ref_group=[second.peer_id],
+        ref_sketch=b"\x01" * 4096,
+    )
+    first.update(**claims)
+    deadline = time.monotonic() + 30
+    while True:
+        record = second.records().get(first.peer_id)
+        if record is not None and record.ref_sketch:
+            break
+        assert time.monotonic() < deadline, f"the claims never arrived: {record}"
+        time.sleep(0.2)
+    assert {k: getattr(record, k) for k in claims} == claims

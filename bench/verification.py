@@ -1,0 +1,307 @@
+"""Verification benchmark: real peers of a verifiable run (verification.replicas = 2), one or two of them
+hostile (``bench/cheat.py``), on 127.0.0.1 with a swarm key.
+
+Runs, one after another (never two at once: they share the machine's cores):
+
+* the all-honest swarm at k = 1 (robust aggregation only) and at k = 2, 4 peers each;
+* every attack of ``bench/cheat.py`` at k = 2, 1 hostile peer of 4 (the colluders: 2 of 5);
+* honest replicas that differ in thread count and in dtype (fp32 on 1 and 2 threads, bf16), at k = 2;
+* the overhead once every peer is trusted: 4 honest peers, ``verification.rounds_to_trust`` 3.
+
+Read from the honest peers' logs: the rounds in which a hostile peer's work was judged and whether it
+counted, the round it was banned in, strikes against honest peers, every honest pair's sketch distance,
+and the final validation loss of an honest peer's model.
+
+    python -m bench.verification [--config configs/default.yaml] [--attacks sign_flip_x10,zero] [--quick]
+
+Writes the ``real_peers`` part of bench/results/verification.json and the verification table in
+docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.cheat import ATTACKS
+from bench.report import DOC, merge_results, replace_block
+from p2ptrain.config import load_config
+from p2ptrain.evaluation import Evaluator
+from p2ptrain.localswarm import PeerProcess, closed_swarm_join
+
+ROOT = Path(__file__).resolve().parent.parent
+PEERS = 4
+WHAT = {
+    "sign_flip_x10": "−10 × its pseudo-gradient",
+    "x10": "10 × its pseudo-gradient",
+    "noise": "noise, 10 × the norm",
+    "zero": "zeros (free rider)",
+    "wrong_shard": "trains other data than its shard",
+    "lazy": "a third of the steps, scaled up 3 ×",
+    "stale": "its previous round's pseudo-gradient",
+    "poisoned": "its shard with shuffled targets",
+    "colluder": "two colluders, the same −10 × work",
+    "drip": "a bias of 1 % of the norm",
+    "claim_weight": "claims its group's whole weight",
+    "copy_sketch": "copies its partner's sketch, sends −10 ×",
+    "send_other": "commits honestly, sends −10 ×",
+}
+
+
+def swarm(
+    config: Path,
+    workdir: Path,
+    *,
+    replicas: int,
+    hostile: dict[int, str] | None = None,
+    peers: int = PEERS,
+    sets: list[str] = (),  # type: ignore[assignment]
+    peer_sets: dict[int, list[str]] | None = None,
+) -> dict[str, Any]:
+    """Run one swarm to its end; what the honest peers' logs and final models show."""
+    hostile, peer_sets = hostile or {}, peer_sets or {}
+    base, _ = closed_swarm_join(
+        workdir,
+        config,
+        [
+            f"run.run_id=verify-{workdir.name}-{int(time.time())}",
+            f"swarm.min_peers={peers}",
+            f"averaging.target_group_size={peers}",
+            f"verification.replicas={replicas}",
+            "device.num_threads=1",
+            *sets,
+        ],
+    )
+    procs: list[PeerProcess] = []
+    t0 = time.monotonic()
+    try:
+        first = None
+        for i in range(peers):
+            args = base + ["--set", f"checkpoint.dir={workdir / f'peer{i}'}"]
+            for item in peer_sets.get(i, []):
+                args += ["--set", item]
+            args += ["--initial-peers", first] if first else []
+            attack = hostile.get(i)
+            procs.append(
+                PeerProcess(
+                    [attack, *args] if attack else args,
+                    workdir / f"peer{i}.log",
+                    index=i,
+                    module="bench.cheat" if attack else "p2ptrain",
+                )
+            )
+            if first is None:
+                first = procs[0].wait_for_maddr(timeout_s=90)
+        codes = [p.wait(timeout_s=2400) for p in procs]
+    finally:
+        for p in procs:
+            p.stop()
+    wall_s = time.monotonic() - t0
+    honest = [i for i in range(peers) if i not in hostile]
+    short = {i: (procs[i].maddr() or "").rsplit("/p2p/", 1)[-1][-8:] for i in range(peers)}
+    bad = {short[i] for i in hostile}
+    evaluator = Evaluator()
+    losses, hashes = [], set()
+    for i in honest:
+        final = workdir / f"peer{i}" / "final.safetensors"
+        if final.exists():
+            loaded, metrics = evaluator.file(final)
+            losses.append(metrics["val_loss"])
+            hashes.add(loaded.params_sha256())
+    # The first honest peer's view (every honest peer judges from the same records: checked below).
+    views = {i: _view(procs[i].events(), bad) for i in honest}
+    view = views[honest[0]]
+    steps = [e for i in honest for e in procs[i].outer_steps()]
+    return {
+        "replicas": replicas,
+        "hostile": sorted(hostile.values()),
+        "exit_codes": codes,
+        "final_val_loss": max(losses) if len(losses) == len(honest) else None,
+        "honest_params_identical": len(losses) == len(honest) and len(hashes) == 1,
+        "wall_s": round(wall_s, 1),
+        "rounds": len(view["judged"]),
+        "attacked_rounds": view["attacked"],
+        "hostile_counted_in": view["counted"],
+        "detected_in_round": min(view["detected"], default=None),
+        "banned_in_round": view["banned"],
+        "honest_struck": sorted({p for v in views.values() for p in v["struck"]} - bad),
+        "honest_pairs": [d for v in views.values() for d in v["honest_distances"]],
+        "honest_dissents": sum(v["honest_dissents"] for v in views.values()),
+        "views_agree": len({json.dumps(v["judged"], sort_keys=True) for v in views.values()}) == 1,
+        "duplicate_work": view["duplicate_work"],
+        "mean_round_s": round(sum(float(e.get("duration_s", 0)) for e in steps) / max(len(steps), 1), 2),
+        "inner_s": round(sum(float(e.get("inner_s", 0)) for e in steps) / max(len(steps), 1), 2),
+    }
+
+
+def _view(events: list[dict], bad: set[str]) -> dict[str, Any]:
+    """One honest peer's verdicts, from its log lines."""
+    judged: dict[int, dict] = {}
+    attacked, counted, detected, struck = [], [], [], set()
+    honest_distances, honest_dissents, banned = [], 0, None
+    duplicate_work = []
+    for e in events:
+        event = e.get("event", "")
+        if event == "verified the round":
+            r = int(e["round"])
+            groups = [*e.get("agreed", []), *e.get("dissent", [])]
+            judged[r] = {"agreed": e.get("agreed", []), "dissent": e.get("dissent", [])}
+            members = [p for g in groups for p in g]
+            in_round = bad & set(members)
+            if in_round:
+                attacked.append(r)
+                if any(bad & set(g) for g in e.get("agreed", [])):
+                    counted.append(r)
+                else:
+                    detected.append(r)
+            for pair, d in e.get("distances", {}).items():
+                a, b = pair.split("-")
+                if not ({a, b} & bad):
+                    honest_distances.append(d)
+            honest_dissents += sum(1 for g in e.get("dissent", []) if not (set(g) & bad))
+            peers = int(e.get("counted", 0)) + sum(len(g) for g in e.get("dissent", []))
+            shards = len(groups) + (int(e.get("counted", 0)) - sum(len(g) for g in e.get("agreed", [])))
+            if peers:
+                duplicate_work.append(round(1 - shards / peers, 3))
+        elif event == "a referee settled a dispute":
+            struck.update(e.get("convicted", []))
+            if bad & set(e.get("banned", [])) and banned is None:
+                banned = int(e["round"])
+    return {
+        "judged": judged,
+        "attacked": attacked,
+        "counted": counted,
+        "detected": detected,
+        "struck": struck,
+        "banned": banned,
+        "honest_distances": honest_distances,
+        "honest_dissents": honest_dissents,
+        "duplicate_work": duplicate_work,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--config", type=Path, default=ROOT / "configs" / "default.yaml")
+    parser.add_argument("--attacks", default=",".join(ATTACKS), help="comma-separated, or empty")
+    parser.add_argument("--quick", action="store_true", help="configs/tiny.yaml, the first attack only")
+    args = parser.parse_args(argv)
+    config = (ROOT / "configs" / "tiny.yaml" if args.quick else args.config).resolve()
+    attacks = [a for a in args.attacks.split(",") if a][: 1 if args.quick else None]
+    logs = ROOT / "runs" / "bench-verification"
+    runs: dict[str, dict] = {}
+
+    def record(name: str, result: dict) -> None:
+        runs[name] = result
+        print(
+            json.dumps({"run": name, **{k: v for k, v in result.items() if k != "honest_pairs"}}), flush=True
+        )
+
+    record("honest/k1", swarm(config, logs / "honest-k1", replicas=1))
+    record("honest/k2", swarm(config, logs / "honest-k2", replicas=2))
+    for attack in attacks:
+        if attack == "colluder":
+            result = swarm(config, logs / attack, replicas=2, peers=PEERS + 1, hostile={3: attack, 4: attack})
+        else:
+            result = swarm(config, logs / attack, replicas=2, hostile={PEERS - 1: attack})
+        record(f"attack/{attack}", result)
+    if not args.quick:
+        mixed = {1: ["device.num_threads=2"], 3: ["device.dtype=bfloat16"]}
+        record("honest/threads_and_bf16", swarm(config, logs / "mixed", replicas=2, peer_sets=mixed))
+        trusted = ["verification.rounds_to_trust=3", "verification.audit_fraction=0.1"]
+        record("honest/trusted", swarm(config, logs / "trusted", replicas=2, sets=trusted))
+
+    cfg = load_config(config)
+    result = {
+        "experiment": {
+            "config": str(config.relative_to(ROOT)) if config.is_relative_to(ROOT) else str(config),
+            "rounds": cfg.outer.num_rounds,
+            "inner_steps": cfg.inner.num_inner_steps,
+            "peers": PEERS,
+            "tolerance": cfg.verification.tolerance,
+            "mixed_tolerance": cfg.verification.mixed_tolerance,
+            "strikes_to_ban": cfg.verification.strikes_to_ban,
+        },
+        "machine": {"cpus": torch.get_num_threads(), "platform": platform.platform()},
+        "runs": runs,
+    }
+    rows = table(runs, cfg, result["experiment"]["config"])
+    print("\n".join(rows))
+    if not args.quick:  # a smoke test of the harness, not a result
+        merge_results("verification.json", "real_peers", result)
+        replace_block("verification", rows, DOC)
+
+
+def table(runs: dict[str, dict], cfg, config_name: str) -> list[str]:
+    base = runs["honest/k2"]["final_val_loss"]
+
+    def loss(r: dict) -> str:
+        if r["final_val_loss"] is None or not r["honest_params_identical"]:
+            return f"honest peers did not all finish alike: exit {r['exit_codes']}"
+        ratio = f" ({r['final_val_loss'] / base - 1:+.1%})" if base else ""
+        return f"{r['final_val_loss']:.3f}{ratio}"
+
+    rows = [
+        "| the hostile peer | its work judged in rounds | counted in | detected in round | banned in round "
+        "| honest peers struck | val loss (vs honest k = 2) |",
+        "| --- | --- | --- | ---: | ---: | --- | ---: |",
+    ]
+    for name in ("honest/k1", "honest/k2"):
+        r = runs[name]
+        rows.append(f"| none, k = {r['replicas']} | | | | | {r['honest_struck'] or 'none'} | {loss(r)} |")
+    for name, r in runs.items():
+        if not name.startswith("attack/"):
+            continue
+        attack = name.split("/", 1)[1]
+        rows.append(
+            f"| {WHAT.get(attack, attack)} | {_rounds(r['attacked_rounds'])} | {_rounds(r['hostile_counted_in'])} "
+            f"| {_or_dash(r['detected_in_round'])} | {_or_dash(r['banned_in_round'])} "
+            f"| {r['honest_struck'] or 'none'} | {loss(r)} |"
+        )
+    rows.append("")
+    pairs = [d for r in runs.values() for d in r["honest_pairs"]]
+    dissents = sum(r["honest_dissents"] for r in runs.values())
+    mixed, trusted = runs.get("honest/threads_and_bf16"), runs.get("honest/trusted")
+    rows.append(
+        f"{cfg.outer.num_rounds} rounds of {cfg.inner.num_inner_steps} inner steps of {config_name}, 4 peers "
+        "(the colluders: 5), verification.replicas 2, every peer on 1 thread unless said. Rounds count from 0; "
+        "the hostile peer attacks in every round it trains. Honest replica pairs compared over all runs: "
+        f"{len(pairs)}, largest distance {max(pairs, default=0):.4f}, dissents between honest peers: {dissents}."
+    )
+    if mixed:
+        mixed_pairs = mixed["honest_pairs"]
+        rows.append(
+            f"Honest replicas on 1 and 2 threads and in bf16: {len(mixed_pairs)} pairs, largest distance "
+            f"{max(mixed_pairs, default=0):.4f}, honest dissents {mixed['honest_dissents']}, struck "
+            f"{mixed['honest_struck'] or 'none'}; val loss {loss(mixed)}."
+        )
+    if trusted:
+        work = trusted["duplicate_work"]
+        late = work[len(work) // 2 :]
+        rows.append(
+            "Overhead once trusted (rounds_to_trust 3, audit_fraction 0.1): share of inner work that is a "
+            f"replica's, by round: {work}; over the second half of the run "
+            f"{sum(late) / max(len(late), 1):.1%}. Mean round {trusted['mean_round_s']} s against "
+            f"{runs['honest/k1']['mean_round_s']} s at k = 1."
+        )
+    return rows
+
+
+def _rounds(rounds: list[int]) -> str:
+    return ", ".join(map(str, rounds)) or "none"
+
+
+def _or_dash(x) -> str:
+    return "—" if x is None else str(x)
+
+
+if __name__ == "__main__":
+    main()
