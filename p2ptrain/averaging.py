@@ -150,9 +150,10 @@ class ExactAllReduceRunner(AllReduceRunner):
         peer_index = self.ordered_peer_ids.index(peer_id)
         if peer_id == self.peer_id:
             sender_index = self.sender_peer_ids.index(peer_id)
+            weight = self.weights.get(self.peer_id.to_base58(), self.weight)  # ours too: the verdict's
             for part_index, tensor_part in enumerate(self.parts_for_local_averaging):
                 averaged_part = await self.tensor_part_reducer.accumulate_part(
-                    sender_index, part_index, tensor_part, weight=self.weight
+                    sender_index, part_index, tensor_part, weight=weight
                 )
                 serialized = await self._serialized_average(part_index, averaged_part)
                 self.tensor_part_container.register_processed_part(

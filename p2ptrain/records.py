@@ -27,6 +27,8 @@ MAX_RATE = 1e12
 """Largest throughput a record may claim, in samples per second."""
 SKETCH_VALUES = 1024
 """Values in a verification sketch (verify.SKETCH_WIDTH)."""
+MAX_LISTED = 256
+"""The most peers a record lists as trusted, struck or banned (what does not fit is left out)."""
 
 
 class PeerState(str, Enum):
@@ -94,6 +96,11 @@ class ProgressRecord(BaseModel):
     """That group."""
     ref_sketch: conbytes(strict=True, max_length=4 * SKETCH_VALUES) = b""  # type: ignore[valid-type]
     """The sketch of its recomputation, under the group's seed."""
+    # Its view of the swarm's reputation (verify.Reputation), for `p2ptrain status`: short peer ids (the last
+    # 8 characters); "id:n" in struck: n strikes in the current window.
+    trusted: conlist(constr(strict=True, max_length=8), max_items=MAX_LISTED) = []  # type: ignore[valid-type]
+    struck: conlist(constr(strict=True, max_length=16), max_items=MAX_LISTED) = []  # type: ignore[valid-type]
+    banned: conlist(constr(strict=True, max_length=8), max_items=MAX_LISTED) = []  # type: ignore[valid-type]
 
     class Config:
         extra = "forbid"

@@ -26,10 +26,32 @@ def summarize(run_id: str, records: dict[str, ProgressRecord], now: float | None
         }
         for r in sorted(records.values(), key=lambda r: (-r.round, r.peer_id))
     ]
+    # Verifiable runs: what the peers' records say of each other (each lists its view of the reputation).
+    reporters = [r for r in records.values() if r.shard or r.trusted or r.struck or r.banned]
+    if reporters:
+        for entry in peers:
+            short = entry["short_id"]
+            own = records[entry["peer_id"]]
+            strikes = [
+                int(n)
+                for r in reporters
+                for item in r.struck
+                for sid, _, n in [item.partition(":")]
+                if sid == short and n.isdigit()
+            ]
+            entry["verification"] = {
+                "shard": own.shard,
+                "replicas": [p[-8:] for p in own.replicas],
+                "trusted_by": sum(short in r.trusted for r in reporters),
+                "strikes": max(strikes, default=0),
+                "banned_by": sum(short in r.banned for r in reporters),
+                "reporters": len(reporters),
+            }
     training = [r for r in records.values() if r.state in (PeerState.TRAINING, PeerState.AVERAGING)]
     return {
         "run_id": run_id,
         "round": global_round(records),
+        "verifiable": bool(reporters),
         "peers": peers,
         "samples_per_s": round(sum(r.samples_per_s for r in training), 2),
         "samples_total": sum(r.samples_total for r in records.values()),
@@ -50,10 +72,15 @@ def render(summary: dict[str, Any]) -> str:
     if not summary["peers"]:
         return head
     table = Table(box=None, pad_edge=False)
-    for column in ("peer", "state", "device", "round", "samples/s", "samples", "group", "last seen"):
-        table.add_column(column, justify="right" if column not in ("peer", "state", "device") else "left")
+    columns = ["peer", "state", "device", "round", "samples/s", "samples", "group", "last seen"]
+    if summary.get("verifiable"):
+        columns += ["shard", "trusted by", "strikes", "banned by"]
+    for column in columns:
+        table.add_column(
+            column, justify="right" if column not in ("peer", "state", "device", "shard") else "left"
+        )
     for p in summary["peers"]:
-        table.add_row(
+        row = [
             p["short_id"],
             p["state"],
             p["device"],
@@ -62,7 +89,16 @@ def render(summary: dict[str, Any]) -> str:
             f"{p['samples_total']:,}",
             str(p["last_group_size"]),
             f"{p['last_seen_s']:.1f} s ago",
-        )
+        ]
+        if summary.get("verifiable"):
+            v = p.get("verification", {})
+            row += [
+                v.get("shard") or "-",
+                f"{v.get('trusted_by', 0)}/{v.get('reporters', 0)}",
+                str(v.get("strikes", 0)),
+                f"{v.get('banned_by', 0)}/{v.get('reporters', 0)}",
+            ]
+        table.add_row(*row)
     out = StringIO()
     Console(file=out, width=120, color_system=None).print(table)
     return head + "\n" + out.getvalue().rstrip()

@@ -174,6 +174,9 @@ class LocalStatus:
     ref_round: int = -1
     ref_group: list[str] = field(default_factory=list)
     ref_sketch: bytes = b""
+    trusted: list[str] = field(default_factory=list)
+    struck: list[str] = field(default_factory=list)
+    banned: list[str] = field(default_factory=list)
 
 
 _AT_ONCE = {"state", "round", "params_hash", "seal", "nonce", "sketch", "ref_sketch"}

@@ -33,7 +33,7 @@ from p2ptrain.logs import bind, get_logger
 from p2ptrain.models import build_model, num_params
 from p2ptrain.progress import InnerProgress, Waiting, terminal_progress_enabled
 from p2ptrain.protocol import BarrierState, BehindState, LingerState, Me
-from p2ptrain.records import PeerState, ProgressRecord, live
+from p2ptrain.records import MAX_LISTED, PeerState, ProgressRecord, live
 from p2ptrain.transfer import donation, fetch_state
 
 log = get_logger(__name__)
@@ -539,6 +539,7 @@ class Trainer:
         self.verdicts.append((round_, verdict))
         self.reputation.agree([p for g in verdict.agreed for p in g])
         telemetry.observe_verdict(verdict, self.reputation)
+        self.board.update(**self.reputation.listed(MAX_LISTED))  # for `p2ptrain status`, with the next beat
         self.log.info(
             "verified the round",
             round=round_,

@@ -325,6 +325,16 @@ class Reputation:
     def trusted(self, peer: str) -> bool:
         return peer not in self.banned and self.agreed.get(peer, 0) >= self.rounds_to_trust
 
+    def listed(self, limit: int) -> dict[str, list[str]]:
+        """This reputation as a progress record lists it (short ids, at most ``limit`` of each)."""
+        trusted = sorted(p[-8:] for p in self.agreed if self.trusted(p))
+        struck = sorted(f"{p[-8:]}:{len(r)}" for p, r in self.strikes.items() if r)
+        return {
+            "trusted": trusted[:limit],
+            "struck": struck[:limit],
+            "banned": sorted(p[-8:] for p in self.banned)[:limit],
+        }
+
     MAX_PEERS = 4096
     """The most peers a saved reputation may name (it travels in the state that newcomers download)."""
 

@@ -23,3 +23,29 @@ def test_empty_swarm_is_said_plainly():
     summary = summarize("run-y", {})
     assert summary["peers"] == [] and summary["round"] == -1
     assert render(summary).startswith("run run-y: 0 live peer(s)")
+
+
+def test_a_verifiable_run_shows_each_peers_shard_trust_strikes_and_bans_as_the_records_report_them():
+    a, b, x = (rec(f"12D3KooW{c * 8}PEER000{i}", 5) for i, c in enumerate("abx"))
+    for r in (a, b, x):
+        r.time = 1000.0
+    a.shard, a.replicas = "0/2", [a.peer_id, b.peer_id]
+    b.shard, b.replicas = "0/2", [a.peer_id, b.peer_id]
+    a.trusted = b.trusted = ["PEER0000", "PEER0001"]
+    a.struck = b.struck = ["PEER0002:2"]
+    a.banned = b.banned = ["PEER0002"]
+    summary = summarize("run-v", {r.peer_id: r for r in (a, b, x)}, now=1000.0)
+    by_id = {p["short_id"]: p["verification"] for p in summary["peers"]}
+    assert summary["verifiable"]
+    assert by_id["PEER0000"] == {
+        "shard": "0/2",
+        "replicas": ["PEER0000", "PEER0001"],
+        "trusted_by": 2,
+        "strikes": 0,
+        "banned_by": 0,
+        "reporters": 2,
+    }
+    assert by_id["PEER0002"]["strikes"] == 2 and by_id["PEER0002"]["banned_by"] == 2
+    text = render(summary)
+    assert "banned by" in text and text.splitlines()[-1].split()[-4:] == ["-", "0/2", "2", "2/2"]
+    assert not summarize("run-w", {a.peer_id: rec(a.peer_id, 5)})["verifiable"]

@@ -330,8 +330,10 @@ def test_a_groupmate_sending_ten_times_its_flipped_pseudo_gradient_is_left_out(s
 
 
 def test_reducers_count_each_groupmate_with_the_verdicts_weight_and_refuse_whom_it_left_out(swarm_of):
-    """A verifiable round's verdict, handed to each averager: the weights it gives, never the claimed ones
-    (the third peer claims 5 where the verdict gives it 1), and a fourth peer it left out finds no group."""
+    """A verifiable round's verdict, handed to each averager: every reducer counts every part, its own
+    included, with the verdict's weight, never the claimed one (the third peer claims 5 where the verdict
+    gives it 1), and a fourth peer the verdict left out finds no group. (A hostile reducer can still answer
+    its own slice with anything: robust aggregation's and verification's known limit.)"""
     averagers = swarm_of(4, compression="none", aggregator="mean", target_group_size=4)
     ids = [a.peer_id for a in averagers]
     xs, claimed = inputs(4), [1.0, 1.0, 5.0, 1.0]
