@@ -45,6 +45,7 @@ bench: $(STAMP)
 	$(BIN)/python -m bench.attacks
 	$(BIN)/python -m bench.robustness
 	$(BIN)/python -m bench.replicas
+	$(BIN)/python -m bench.verification
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

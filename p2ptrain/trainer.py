@@ -534,7 +534,7 @@ class Trainer:
             round=round_,
             trusted=self.reputation.trusted,
             banned=self.reputation.banned.__contains__,
-            tolerances=self._tolerances,
+            tolerances=self._tolerances(round_),
         )
         self.verdicts.append((round_, verdict))
         self.reputation.agree([p for g in verdict.agreed for p in g])
@@ -650,7 +650,7 @@ class Trainer:
                         referee=dispute.referee[-8:],
                     )
                 continue
-            convicted = sorted(verify.refereed(dispute.reports, report, self._tolerances))
+            convicted = sorted(verify.refereed(dispute.reports, report, self._tolerances(dispute.round)))
             banned = self.reputation.convict(convicted, dispute.round)
             telemetry.observe_convictions(convicted, banned, self.reputation)
             if banned:
@@ -683,10 +683,11 @@ class Trainer:
             return None
         return verify.Report(r.peer_id, r.numeric_class, claim.sketch, float(claim.sketch.norm()))
 
-    @property
-    def _tolerances(self) -> verify.Tolerances:
+    def _tolerances(self, round_: int) -> verify.Tolerances:
+        """The verdict's tolerances in ``round_``: mixed-class pairs get the largest in the grace rounds."""
         v = self.cfg.verification
-        return verify.ByClass(v.tolerance, v.mixed_tolerance)
+        mixed = verify.MAX_TOLERANCE if round_ < v.grace_rounds else v.mixed_tolerance
+        return verify.ByClass(v.tolerance, mixed)
 
     def _await_claims(
         self, peers: Sequence[str], field_name: str, round_: int, deadline: float
