@@ -207,6 +207,8 @@ def main(argv: list[str] | None = None) -> None:
 
     record("honest/k1", swarm(config, logs / "honest-k1", replicas=1))
     record("honest/k2", swarm(config, logs / "honest-k2", replicas=2))
+    if not args.quick:  # what the swarm can do once a hostile peer is out: three honest peers
+        record("honest/k2_3peers", swarm(config, logs / "honest-k2-3", replicas=2, peers=PEERS - 1))
     for attack in attacks:
         if attack == "colluder":
             result = swarm(config, logs / attack, replicas=2, peers=PEERS + 1, hostile={3: attack, 4: attack})
@@ -254,9 +256,12 @@ def table(runs: dict[str, dict], cfg, config_name: str) -> list[str]:
         "| honest peers struck | val loss (vs honest k = 2) |",
         "| --- | --- | --- | ---: | ---: | --- | ---: |",
     ]
-    for name in ("honest/k1", "honest/k2"):
+    for name in ("honest/k1", "honest/k2", "honest/k2_3peers"):
+        if name not in runs:
+            continue
         r = runs[name]
-        rows.append(f"| none, k = {r['replicas']} | | | | | {r['honest_struck'] or 'none'} | {loss(r)} |")
+        who = "none, 3 honest peers only" if name.endswith("3peers") else "none"
+        rows.append(f"| {who}, k = {r['replicas']} | | | | | {r['honest_struck'] or 'none'} | {loss(r)} |")
     for name, r in runs.items():
         if not name.startswith("attack/"):
             continue

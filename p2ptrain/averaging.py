@@ -69,6 +69,8 @@ from p2ptrain.swarm import progress_key, records_from_dht_value
 log = get_logger(__name__)
 
 _POLL_S = 0.25
+_PIPE_TIMEOUT_S = 30.0
+"""How long the trainer waits for the averager child to take a request (it answers in milliseconds)."""
 _MEMBERS_MAX_AGE_S = 10.0
 """Read the run's records again at most this long after the last read (peers that left lose the door)..."""
 _MEMBERS_MIN_AGE_S = 1.0
@@ -444,7 +446,7 @@ class LeftOut:
         """Leave ``peer`` out of ``round`` only (a verifiable round's verdict: its work was not verified)."""
         self._until[peer] = max(self._until.get(peer, -1), round)
 
-    def excludes(self, peer: str, round: int) -> bool:
+    def excludes(self, peer: str, round: float) -> bool:
         return round <= self._until.get(peer, -1)
 
 
@@ -615,21 +617,29 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
         future = MPFuture()
         kwargs = dict(peers=list(peers), round=round, weights=dict(weights or {}), future=future)
         self._outer_pipe.send(("_leave_out", [], kwargs))
-        future.result()
+        future.result(timeout=_PIPE_TIMEOUT_S)
 
     async def _leave_out(self, peers: list[str], round: float, weights: dict, future: MPFuture) -> None:
-        for peer in peers:
-            if round == math.inf:
-                self._left_out.fault(peer, Fault.MISBEHAVED, self._round)
-            else:
-                self._left_out.for_round(peer, int(round))
-        if weights:
-            self._weights = {r: w for r, w in self._weights.items() if r >= round - 1}  # the current ones
-            self._weights[int(round)] = weights
+        try:
+            for peer in peers:
+                if round == math.inf:
+                    self._left_out.fault(peer, Fault.MISBEHAVED, self._round)
+                else:
+                    self._left_out.for_round(peer, int(round))
+            if weights:
+                self._weights = {r: w for r, w in self._weights.items() if r >= round - 1}  # the current ones
+                self._weights[int(round)] = weights
+        except BaseException as e:
+            future.set_exception(e)
+            raise
         future.set_result(None)
 
     def _left_out_now(self, peer: PeerID) -> bool:
-        return self._left_out.excludes(peer.to_base58(), self._round)
+        if self._left_out.excludes(peer.to_base58(), self._round):
+            return True
+        # A verifiable round's verdict names everyone who counts: a peer it did not judge does not count.
+        verdict = self._weights.get(self._round)
+        return verdict is not None and peer != self.peer_id and peer.to_base58() not in verdict
 
     def _on_fault(self, peer: PeerID, fault: Fault, reason: str) -> None:
         refused_at = self._refused_at.get(peer.to_base58(), -math.inf)

@@ -29,6 +29,7 @@ from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from p2ptrain.addrs import parse_multiaddr
+from p2ptrain.records import MAX_REPLICAS
 
 ENV_PREFIX = "P2PTRAIN_"
 
@@ -203,7 +204,7 @@ class AveragingConfig(_Section):
 
 
 class VerificationConfig(_Section):
-    replicas: int = Field(default=1, ge=1, le=3)
+    replicas: int = Field(default=1, ge=1, le=MAX_REPLICAS)
     """Peers per data shard in a round: 1 turns verification off (robust aggregation, averaging.aggregator,
     still guards the average); 2 or 3 make rounds verifiable: untrusted peers share their shard with
     trusted ones, replicas compare sketches of their pseudo-gradients, and a replica group that disagrees
@@ -401,6 +402,15 @@ class ExperimentConfig(BaseSettings):
         return self
 
     @model_validator(mode="after")
+    def _check_verification(self) -> ExperimentConfig:
+        if self.verification.replicas > 1 and self.model.dropout > 0:
+            raise ValueError(
+                f"verification.replicas {self.verification.replicas} needs model.dropout 0 (got "
+                f"{self.model.dropout}): replicas draw their dropout masks apart and would never agree"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _check_linger(self) -> ExperimentConfig:
         if self.swarm.catch_up_timeout_s >= self.averaging.barrier_timeout_s:
             # A peer ahead that cannot serve its state waits at its barrier for those behind, who give up on
@@ -437,7 +447,8 @@ class ExperimentConfig(BaseSettings):
         """Hash of the sections that must agree across peers (and across a checkpoint and its resume)."""
         shared = self.model_dump(mode="json", include={"run", "model", "data", "inner", "outer"})
         if self.verification.replicas > 1:  # only then: older runs' checkpoints keep their hash
-            shared["verification"] = self.verification.model_dump(mode="json")
+            # Everything the verdicts depend on; how long a peer waits for others is its own business.
+            shared["verification"] = self.verification.model_dump(mode="json", exclude={"reveal_timeout_s"})
         return hashlib.sha256(json.dumps(shared, sort_keys=True).encode()).hexdigest()[:16]
 
 

@@ -133,6 +133,13 @@ class DiLoCo:
             self._version += 1
         self.reset_model()
 
+    def void_round(self) -> None:
+        """End the round without a step: nobody's pseudo-gradient counts (the params stay, the round passes)."""
+        with self.lock:
+            self.round += 1
+            self._version += 1
+        self.reset_model()
+
     def reset_model(self) -> None:
         """Overwrite the device params with the master params (start of a round, or undoing one)."""
         with torch.no_grad():

@@ -27,6 +27,8 @@ MAX_RATE = 1e12
 """Largest throughput a record may claim, in samples per second."""
 SKETCH_VALUES = 1024
 """Values in a verification sketch (verify.SKETCH_WIDTH)."""
+MAX_REPLICAS = 3
+"""The most replicas per shard (verification.replicas); verify.assign may add one lone peer to a group."""
 MAX_LISTED = 256
 """The most peers a record lists as trusted, struck or banned (what does not fit is left out)."""
 
@@ -80,7 +82,7 @@ class ProgressRecord(BaseModel):
     """Where it trains: device/dtype (cpu/float32, cuda/bfloat16...). Replicas of one class agree closer."""
     shard: constr(strict=True, regex=r"^([0-9]{1,9}/[0-9]{1,9})?$") = ""  # type: ignore[valid-type]
     """The shard of ``round`` it trains, ``index/count`` of the round's assignment."""
-    replicas: conlist(constr(strict=True, min_length=1, max_length=128), max_items=3) = []  # type: ignore[valid-type]
+    replicas: conlist(constr(strict=True, min_length=1, max_length=128), max_items=MAX_REPLICAS + 1) = []  # type: ignore[valid-type]
     """The replica group it trains that shard with, itself included (sorted)."""
     seal: constr(strict=True, regex=r"^[0-9a-f]{0,64}$") = ""  # type: ignore[valid-type]
     """verify.sealed(digest, nonce), published when its inner phase is done, before anyone reveals."""
@@ -92,7 +94,7 @@ class ProgressRecord(BaseModel):
     """verify.sketch of its pseudo-gradient under the group's seed, float32 little-endian."""
     ref_round: conint(strict=True, ge=-1, le=MAX_COUNT) = -1  # type: ignore[valid-type]
     """As a referee: the round of the dissenting replica group whose shard it recomputed (-1: none)."""
-    ref_group: conlist(constr(strict=True, min_length=1, max_length=128), max_items=3) = []  # type: ignore[valid-type]
+    ref_group: conlist(constr(strict=True, min_length=1, max_length=128), max_items=MAX_REPLICAS + 1) = []  # type: ignore[valid-type]
     """That group."""
     ref_sketch: conbytes(strict=True, max_length=4 * SKETCH_VALUES) = b""  # type: ignore[valid-type]
     """The sketch of its recomputation, under the group's seed."""

@@ -37,7 +37,7 @@ def summarize(run_id: str, records: dict[str, ProgressRecord], now: float | None
                 for r in reporters
                 for item in r.struck
                 for sid, _, n in [item.partition(":")]
-                if sid == short and n.isdigit()
+                if sid == short and n.isascii() and n.isdigit()
             ]
             entry["verification"] = {
                 "shard": own.shard,

@@ -38,8 +38,6 @@ from p2ptrain.transfer import donation, fetch_state
 
 log = get_logger(__name__)
 
-DISPUTE_ROUNDS = 4
-"""Rounds a dispute waits for its referee's report before it is dropped (a referee settles one per round)."""
 
 # ------------------------------------------------------------------------------------------- outcomes
 
@@ -117,6 +115,8 @@ class Trainer:
         self.link: Link | None = None
         self.maddrs: list[str] = []
         self.val_losses: list[tuple[int, float]] = []
+        self.rounds_voided: list[int] = []
+        """Verifiable rounds in which nobody's work was verified (the round passed, params unchanged)."""
         self.rounds_applied: list[int] = []
         """Every round whose outer step this peer applied, in order (tests check none is applied twice)."""
         self.loads: list[tuple[str, int]] = []
@@ -132,6 +132,8 @@ class Trainer:
             rounds_to_trust=v.rounds_to_trust, strikes_to_ban=v.strikes_to_ban, window=v.strike_window_rounds
         )
         """Trust and bans from verdicts; part of the state (donated, checkpointed), so the swarm shares one."""
+        self._reputation_at_step: dict = self.reputation.to_dict()
+        """The reputation as of our last round change: what we donate along with that round's state."""
         self.verdicts: list[tuple[int, verify.RoundVerdict]] = []
         """Every verifiable round's verdict this peer reached, in order."""
         self._replicas: tuple[str, ...] = ()
@@ -471,8 +473,8 @@ class Trainer:
         return index, plan.shards, plan.groups[index]
 
     def _await_roster(self) -> None:
-        """Wait while peers of the previous round are still averaging or sitting it out: they are about to
-        come into ours, and replicas must compute the round's assignment from the same roster."""
+        """Wait while peers of the previous round are still averaging, sitting it out or loading its result:
+        they are about to come into ours, and replicas must compute the round's assignment from one roster."""
         deadline = time.monotonic() + self.cfg.verification.reveal_timeout_s
         with self._waiting() as waiting:
             while time.monotonic() < deadline and not self.stop.is_set():
@@ -480,7 +482,7 @@ class Trainer:
                 coming = [
                     p
                     for p, r in records.items()
-                    if r.round == self.round - 1 and r.state == PeerState.AVERAGING
+                    if r.round == self.round - 1 and r.state in (PeerState.AVERAGING, PeerState.LOADING)
                 ]
                 if not coming:
                     return
@@ -508,11 +510,14 @@ class Trainer:
         self._await_claims(mates, "seal", round_, deadline)
         self.board.update(digest=self._digest, nonce=self._nonce)
         seen = self._await_claims(mates, "nonce", round_, deadline)
-        nonces = [self._nonce, *(seen[p].nonce for p in mates if p in seen)]
-        sketch = verify.sketch(
-            self.diloco.pseudo_gradient(), verify.group_seed(self.cfg.run.run_id, round_, nonces)
-        )
-        self.board.update(sketch=sketch.float().numpy().tobytes())
+        sketch = None
+        if all(p in seen and seen[p].nonce for p in mates):
+            # Only with the whole group's seed: a sketch under part of it would disagree with a groupmate that
+            # revealed late, and a referee (who uses the whole seed) would then convict us.
+            nonces = [self._nonce, *(seen[p].nonce for p in mates)]
+            seed = verify.group_seed(self.cfg.run.run_id, round_, nonces)
+            sketch = verify.sketch(self.diloco.pseudo_gradient(), seed).float()
+            self.board.update(sketch=sketch.numpy().tobytes())
         seen = self._await_claims(sorted(ready), "sketch", round_, deadline)
         claims = [verify.Claim.of(r) for r in seen.values()]
         claims.append(
@@ -524,7 +529,7 @@ class Trainer:
                 seal=verify.sealed(self._digest, self._nonce),
                 digest=self._digest,
                 nonce=self._nonce,
-                sketch=sketch.float().double(),  # as the others read it from our record
+                sketch=None if sketch is None else sketch.double(),  # as the others read it from our record
             )
         )
         self.settle_disputes(round_)  # referees' reports on earlier rounds: strikes and bans count from now
@@ -567,6 +572,16 @@ class Trainer:
             self.disputes.append(dispute)
             if dispute.referee == self.peer_id:  # we recompute it next round, from this round's params
                 self._referee_jobs.append((dispute, [m.clone() for m in self.diloco.master]))
+        if not verdict.shares:
+            # Nobody's work was verified (two peers that disagree, say): every peer of the round reaches this
+            # same verdict, and the round is void for all, rather than trained again with the same shards.
+            self.log.warning("nobody's work was verified: the round is void, params unchanged", round=round_)
+            self.diloco.void_round()
+            self.rounds_voided.append(round_)
+            self._reputation_at_step = self.reputation.to_dict()
+            self.board.update(round=self.round, state=PeerState.TRAINING, **self._no_claims())
+            self.averager.set_round(self.round)
+            return None
         if self.peer_id in verdict.left_out:
             self.diloco.reset_model()
             self._sit_out(round_, [p for p in verdict.shares])
@@ -582,9 +597,12 @@ class Trainer:
     def referee(self) -> None:
         """Recompute a dissenting group's shard of an earlier round from that round's params, exactly as its
         replicas were to, and publish the sketch under the group's seed (one dispute per round)."""
+        # Disputes are settled at the next round's verdict: only a job of the previous round is still useful.
+        self._referee_jobs = [j for j in self._referee_jobs if j[0].round == self.round - 1]
         if not self._referee_jobs:
             return
         dispute, start = self._referee_jobs.pop(0)
+        self._referee_jobs.clear()  # one per round: the record has one slot; the others go unsettled
         shard = verify.parse_shard(dispute.shard, self.corpus.num_train_windows())
         if shard is None:
             self.log.warning(
@@ -632,23 +650,24 @@ class Trainer:
     def settle_disputes(self, round_: int) -> None:
         """Read the referees' reports on pending disputes: strike (and perhaps ban) whom a referee convicts.
 
-        A referee is a pure function of the verdict, and its report sits in its signed record: every peer
-        that saw the dispute convicts the same peers. A dispute whose referee has not reported within
-        ``DISPUTE_ROUNDS`` rounds is dropped: nobody is convicted.
+        A referee is a pure function of the verdict, and its report sits in its signed record, published
+        before its next inner phase (the next round's barrier waits for it): a dispute of round r is settled
+        at round r + 1's verdict, by every peer alike, and dropped if the report is not there then.
         """
         records = self._others()
         pending = []
         for dispute in self.disputes:
-            report = self._referee_report(dispute, records)
+            if dispute.round >= round_:
+                pending.append(dispute)
+                continue
+            report = self._referee_report(dispute, records) if dispute.round == round_ - 1 else None
             if report is None:
-                if round_ - dispute.round < DISPUTE_ROUNDS:
-                    pending.append(dispute)
-                else:
-                    self.log.warning(
-                        "a dispute went unsettled: its referee never reported",
-                        round=dispute.round,
-                        referee=dispute.referee[-8:],
-                    )
+                self.log.warning(
+                    "a dispute went unsettled: its referee did not report in time",
+                    round=round_,
+                    dispute_round=dispute.round,
+                    referee=dispute.referee[-8:],
+                )
                 continue
             convicted = sorted(verify.refereed(dispute.reports, report, self._tolerances(dispute.round)))
             banned = self.reputation.convict(convicted, dispute.round)
@@ -742,6 +761,7 @@ class Trainer:
                 fallback=self._may_step_alone,
             )
         stats.sync_s = time.monotonic() - t0
+        self._reputation_at_step = self.reputation.to_dict()
         if report.applied:
             self.rounds_applied.append(round_)
             self.last_group_size = report.group_size
@@ -936,7 +956,9 @@ class Trainer:
         """
         for donor in donors:
             delta = self.diloco.pseudo_gradient() if rebase else None
-            problem = self._adopt_state_of(donor, expect=expect, round=round, min_round=min_round)
+            problem = self._adopt_state_of(
+                donor, expect=expect, round=round, min_round=min_round, reputation=not rebase
+            )
             if problem is not None:
                 self.log.warning("refused a state", donor=donor[-8:], reason=problem)
                 self.backoff.failed(donor, time.monotonic())
@@ -945,7 +967,8 @@ class Trainer:
                 self.diloco.rebase(delta)
             self.backoff.succeeded(donor)
             self.memory.behind_since = None  # progress: the catch-up timeout starts over
-            self.board.update(round=self.round, params_hash=self.diloco.params_hash(), **self._no_claims())
+            claims = {} if rebase else self._no_claims()  # a rebase stays in our round: our claims stand
+            self.board.update(round=self.round, params_hash=self.diloco.params_hash(), **claims)
             self.averager.set_round(self.round)
             telemetry.STATE_LOADS.inc()
             telemetry.ROUND.set(self.round)
@@ -960,8 +983,13 @@ class Trainer:
             return True
         return False
 
-    def _adopt_state_of(self, donor: str, *, expect: str, round: int | None, min_round: int) -> str | None:
-        """Download ``donor``'s state, check it and load it into DiLoCo; None, or why it was refused."""
+    def _adopt_state_of(
+        self, donor: str, *, expect: str, round: int | None, min_round: int, reputation: bool = True
+    ) -> str | None:
+        """Download ``donor``'s state, check it and load it into DiLoCo; None, or why it was refused.
+
+        ``reputation``: also take the swarm's reputation from it (not in a rebase: that is the same round,
+        whose verdict we reach ourselves)."""
         got = fetch_state(
             self.averager,
             donor,
@@ -982,11 +1010,38 @@ class Trainer:
             self.diloco.load_state_tensors(tensors, round=meta["round"])
         except ValueError as e:  # shapes or values that do not fit this model
             return str(e)
-        if self.verifying:  # trust and bans are part of the swarm's state: newcomers judge as the swarm does
-            self.reputation.restore(meta.get("reputation"))
-            if self.reputation.banned:
-                self.averager.ban(sorted(self.reputation.banned))
+        if self.verifying and reputation:  # trust and bans are the swarm's: newcomers judge as the swarm does
+            self._adopt_reputation(meta.get("reputation"), donor)
+        self._reputation_at_step = self.reputation.to_dict()
         return None
+
+    def _adopt_reputation(self, saved: object, donor: str) -> None:
+        """Take a donor's reputation if the swarm's records list the same trusted, struck and banned peers
+        (each peer's record lists its view): one donor alone cannot make itself trusted or ban anyone."""
+        offered = verify.Reputation(
+            rounds_to_trust=self.reputation.rounds_to_trust,
+            strikes_to_ban=self.reputation.strikes_to_ban,
+            window=self.reputation.window,
+        )
+        offered.restore(saved)
+        listing = offered.listed(MAX_LISTED)
+        views = [
+            {"trusted": r.trusted, "struck": r.struck, "banned": r.banned}
+            for r in live(self._others()).values()
+            if r.peer_id != donor and r.state != PeerState.LOADING
+        ]
+        backers = sum(view == listing for view in views)
+        if views and backers * 2 <= len(views):
+            self.log.warning(
+                "refused the donor's reputation: the swarm's records list other trusted, struck or banned peers",
+                donor=donor[-8:],
+                backers=backers,
+                peers=len(views),
+            )
+            return
+        self.reputation = offered
+        if offered.banned:
+            self.averager.ban(sorted(offered.banned))
 
     def _donation(self) -> tuple[dict, list[torch.Tensor]]:
         """What a newcomer downloads from us: global params, outer momentum, round (a consistent snapshot),
@@ -994,8 +1049,8 @@ class Trainer:
         meta, tensors = donation(
             self.diloco.snapshot(), run_id=self.cfg.run.run_id, config_hash=self.cfg.training_hash()
         )
-        if self.verifying:
-            meta["reputation"] = self.reputation.to_dict()
+        if self.verifying:  # as of the snapshot's round (taken in this thread: never mid-update)
+            meta["reputation"] = self._reputation_at_step
         return meta, tensors
 
     def save(self, name: Outcome | str) -> Path:

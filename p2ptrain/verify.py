@@ -24,7 +24,8 @@ Who checks whom is :func:`assign` (replica groups from the roster and a seed: un
 share their shard with trusted ones, trusted ones are audited at a fraction), and what verdicts add up to
 is a :class:`Reputation` (trust from agreement, bans from referees' convictions).
 
-Pure functions, no network. Not yet wired into the round: nothing here leaves a peer out of a real swarm.
+Pure functions, no network. The trainer carries them out in a verifiable round (``verification.replicas`` >
+1; ``Trainer.verify_round``): seals, nonces and sketches travel in the progress records.
 """
 
 from __future__ import annotations
@@ -358,15 +359,16 @@ class Reputation:
             and max(len(agreed), len(strikes), len(banned)) <= self.MAX_PEERS
             and all(isinstance(p, str) and type(n) is int and n >= 0 for p, n in agreed.items())
             and all(
-                isinstance(p, str) and isinstance(r, list) and all(type(x) is int for x in r[:64])
+                isinstance(p, str) and isinstance(r, list) and len(r) <= 64 and all(type(x) is int for x in r)
                 for p, r in strikes.items()
             )
             and all(isinstance(p, str) for p in banned)
         )
         if not ok:
             return
+        assert isinstance(agreed, Mapping) and isinstance(strikes, Mapping) and isinstance(banned, list)
         self.agreed = dict(agreed)
-        self.strikes = {p: list(r[-64:]) for p, r in strikes.items()}
+        self.strikes = {p: list(r) for p, r in strikes.items()}
         self.banned = set(banned)
 
 
@@ -423,6 +425,12 @@ class Claim:
             nonce=record.nonce,
             sketch=sketch,
         )
+
+    def report(self) -> Report:
+        """Its sketch as a :class:`Report` (only for a claim that has one)."""
+        if self.sketch is None:
+            raise ValueError(f"{self.peer} published no sketch")
+        return Report(self.peer, self.numeric_class, self.sketch, float(self.sketch.norm()))
 
     @property
     def revealed(self) -> bool:
@@ -505,7 +513,7 @@ def judge_round(
             for m in mates:
                 left_out[m.peer] = Why.UNREVEALED
             continue
-        reports = [Report(m.peer, m.numeric_class, m.sketch, float(m.sketch.norm())) for m in mates]
+        reports = [m.report() for m in mates]
         verdict = judge(reports, tolerances)
         distances.update(verdict.distances)
         if verdict.outcome == Outcome.AGREE:
@@ -566,13 +574,14 @@ def disputes(
     for group in verdict.dissent:
         if any(verdict.left_out.get(p) == Why.BANNED for p in group):
             continue  # a banned member took it down: nothing to settle
-        members = [by_peer.get(p) for p in group]
-        if not all(m is not None and m.revealed and m.sketch is not None for m in members):
+        found_members = [by_peer.get(p) for p in group]
+        members = [m for m in found_members if m is not None and m.revealed and m.sketch is not None]
+        if len(members) != len(group):
             continue
         referee = referee_for(group, list(verdict.shares), run_id=run_id, round=round, trusted=trusted)
         if referee is None:
             continue
-        reports = tuple(Report(m.peer, m.numeric_class, m.sketch, float(m.sketch.norm())) for m in members)
+        reports = tuple(m.report() for m in members)
         seed = group_seed(run_id, round, [m.nonce for m in members])
         found.append(Dispute(round, tuple(group), members[0].shard, seed, referee, reports))
     return found
@@ -581,7 +590,7 @@ def disputes(
 def parse_shard(shard: str, num_windows: int) -> tuple[int, int] | None:
     """``index/count`` as claimed by a peer, if it names a shard that exists."""
     index, sep, count = shard.partition("/")
-    if not (sep and index.isdigit() and count.isdigit()):
+    if not (sep and index.isascii() and index.isdigit() and count.isascii() and count.isdigit()):
         return None
     i, n = int(index), int(count)
     return (i, n) if 0 <= i < n <= num_windows else None

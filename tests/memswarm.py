@@ -279,7 +279,8 @@ class MemoryAverager:
     def leave_out(self, peers, round: int, weights=None) -> None:
         with self._peer.swarm._lock:
             self._peer.swarm.left_out.setdefault((self._peer.peer_id, round), set()).update(peers)
-            self._peer.swarm.verdict_weights.setdefault(round, {}).update(weights or {})
+            if weights:
+                self._peer.swarm.verdict_weights[(self._peer.peer_id, round)] = dict(weights)
 
     def ban(self, peers) -> None:
         with self._peer.swarm._lock:
@@ -310,11 +311,11 @@ class MemorySwarm:
         self._peers: dict[str, _Peer] = {}
         self._groups: dict[int, _Group] = {}
         self.left_out: dict[tuple[str, int], set[str]] = {}
-        self.verdict_weights: dict[int, dict[str, float]] = {}
-        """round -> the weight each peer counts with, by its groupmates' verdict (never its claim)."""
+        """(peer, round) -> whom that peer refuses to average with in that round (a verdict)."""
+        self.verdict_weights: dict[tuple[str, int], dict[str, float]] = {}
+        """(peer, round) -> the weight each groupmate counts with by that peer's verdict (never its claim)."""
         self.banned_by: dict[str, set[str]] = {}
         """peer -> whom it banned: never averaged with, never served."""
-        """(peer, round) -> whom that peer refuses to average with in that round (a verdict)."""
         self._lock = threading.Condition()
 
     # --- the board
@@ -400,6 +401,9 @@ class MemorySwarm:
             *(self.left_out.get((m[0].peer_id, group.round), set()) for m in members),
             *(self.banned_by.get(m[0].peer_id, set()) for m in members),
         )
+        # As ExactAverager._left_out_now: a peer that a member's verdict does not count is refused too.
+        verdicts = [v for m in members if (v := self.verdict_weights.get((m[0].peer_id, group.round)))]
+        refused |= {m[0].peer_id for m in members if any(m[0].peer_id not in v for v in verdicts)}
         for m in [m for m in members if m[0].peer_id in refused]:
             group.results[m[0].peer_id] = AveragingFailed("no_group", "left out by its groupmates")
             members.remove(m)
@@ -410,7 +414,12 @@ class MemorySwarm:
         else:
             # The reducers' aggregate, tensor by tensor: hivemind's parts, when every tensor fits in one part.
             aggregate = aggregator(members[0][0].cfg.averaging)
-            verdict = self.verdict_weights.get(group.round, {})
+            if any(v != verdicts[0] for v in verdicts):  # would be a bug: honest peers judge alike
+                for pid in ids:
+                    group.results[pid] = AveragingFailed("allreduce", "groupmates' verdicts differ")
+                group.closed.set()
+                return
+            verdict = verdicts[0] if verdicts else {}
             weights = [verdict.get(m.peer_id, w) for m, _, w in members]
             average = [
                 aggregate([t[i] for _, t, _ in members], weights).tensor for i in range(len(members[0][1]))

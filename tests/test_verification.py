@@ -76,12 +76,61 @@ def test_a_replica_that_commits_to_flipped_work_is_left_out_with_its_group(tmp_p
     assert_swarm_contract(tmp_path, peers, ["a", "b", "c"])
 
 
-def _configs(tmp_path, names):
+def _configs(tmp_path, names, **verification):
     from tests.memswarm import fast_config
 
     sections = {
         "swarm": {"min_peers": len(names)},
         "averaging": {"target_group_size": len(names)},
-        "verification": VERIFY,
+        "verification": {**VERIFY, **verification},
     }
     return {name: fast_config(tmp_path, name, **sections) for name in names}
+
+
+class HoldsItsNonce(Trainer):
+    """A replica that seals but never reveals its nonce (so its partner cannot sketch under the group's seed)."""
+
+    def verify_round(self, group, stats):
+        honest_update = self.board.update
+
+        def update(**changes):
+            changes.pop("nonce", None)
+            changes.pop("digest", None)
+            return honest_update(**changes)
+
+        self.board.update = update
+        try:
+            return super().verify_round(group, stats)
+        finally:
+            self.board.update = honest_update
+
+
+def test_a_replica_that_never_reveals_costs_its_partner_the_round_and_gets_nobody_struck(tmp_path):
+    """Its partner publishes no sketch rather than one under part of the seed (which a referee, using the
+    whole seed, would hold against it): the group is unrevealed, and nobody is convicted."""
+    swarm = MemorySwarm()
+    names = ["a", "b", "c", "x"]
+    cfgs = _configs(tmp_path, names, reveal_timeout_s=2.0)
+    peers = {n: PeerThread(swarm, n, cfg, HoldsItsNonce if n == "x" else Trainer) for n, cfg in cfgs.items()}
+    finish(peers)
+    x = swarm.peer_id("x")
+    for name in ("a", "b", "c"):
+        trainer = peers[name].trainer
+        assert not trainer.reputation.strikes, trainer.reputation.strikes
+        judged = [v for _, v in trainer.verdicts if x in v.left_out]
+        assert judged and all(v.left_out[x] == Why.UNREVEALED for v in judged), judged
+        assert all(x not in v.shares for _, v in trainer.verdicts)
+    assert_swarm_contract(tmp_path, peers, ["a", "b", "c"])
+
+
+def test_two_peers_that_disagree_void_their_rounds_instead_of_retraining_them_forever(tmp_path):
+    """With nobody to referee, no work is verified: every round passes with the params unchanged, and both
+    peers end the run (never a hang)."""
+    swarm = MemorySwarm()
+    cfgs = _configs(tmp_path, ["a", "x"])
+    peers = {n: PeerThread(swarm, n, cfg, FlipsItsWork if n == "x" else Trainer) for n, cfg in cfgs.items()}
+    finish(peers)
+    a = peers["a"].trainer
+    assert a.rounds_voided == list(range(a.cfg.outer.num_rounds)) and a.rounds_applied == []
+    assert not a.reputation.strikes
+    assert peers["a"].result.outcome.value == "final"

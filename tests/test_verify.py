@@ -299,7 +299,14 @@ def test_a_reputation_survives_a_round_trip_and_a_malformed_one_is_ignored_whole
     again = Reputation(rounds_to_trust=1)
     again.restore(rep.to_dict())
     assert again.to_dict() == rep.to_dict() and again.trusted("a")
-    for bad in (None, [], {"agreed": {"a": -1}, "strikes": {}, "banned": []}, {"agreed": {}, "strikes": {}}):
+    too_many = {"agreed": {}, "strikes": {"x": list(range(64)) + ["no"]}, "banned": []}
+    for bad in (
+        None,
+        [],
+        {"agreed": {"a": -1}, "strikes": {}, "banned": []},
+        {"agreed": {}, "strikes": {}},
+        too_many,
+    ):
         fresh = Reputation()
         fresh.restore(bad)
         assert fresh.to_dict() == Reputation().to_dict()
@@ -354,5 +361,26 @@ def test_a_dissent_goes_to_a_referee_that_everyone_names_alike_and_that_is_not_i
 
 def test_a_claimed_shard_is_read_only_if_it_exists():
     assert parse_shard("1/2", 10) == (1, 2)
-    for bad in ("2/2", "1/11", "-1/2", "1/", "a/b", "", "1/2/3"):
+    for bad in ("2/2", "1/11", "-1/2", "1/", "a/b", "", "1/2/3", "\u00b2/3", "1/2\n"):
         assert parse_shard(bad, 10) is None, bad
+
+
+def test_three_replicas_and_a_lone_peer_fit_a_record():
+    """assign may add one lone peer to a group: with verification.replicas 3, groups of 4."""
+    members = [Member(f"p{i}", "cpu/float32", False) for i in range(4)]
+    plan = assign(members, 1, replicas=3, audit_fraction=0.0)
+    assert max(len(g) for g in plan.groups) == 4
+    base = dict(
+        peer_id="a",
+        round=1,
+        state=PeerState.TRAINING,
+        params_hash="ab",
+        samples_round=0,
+        samples_total=0,
+        samples_per_s=0.0,
+        last_group_size=0,
+        device="cpu",
+        time=1.0,
+    )
+    record = ProgressRecord(**base, replicas=list(plan.groups[0]), ref_group=list(plan.groups[0]))
+    assert ProgressRecord.parse_obj(record.wire()).replicas == list(plan.groups[0])
