@@ -92,6 +92,9 @@ class ProgressRecord(BaseModel):
     """Revealed once every groupmate has sealed: the group's sketch seed is made of its members' nonces."""
     sketch: conbytes(strict=True, max_length=4 * SKETCH_VALUES) = b""  # type: ignore[valid-type]
     """verify.sketch of its pseudo-gradient under the group's seed, float32 little-endian."""
+    verdict: constr(strict=True, regex=r"^[0-9a-f]{0,16}$") = ""  # type: ignore[valid-type]
+    """verify.RoundVerdict.digest of its verdict on ``round``: published before it leaves the round, so that
+    peers that judge later still read its claims (and a verdict that differs from the others' shows)."""
     ref_round: conint(strict=True, ge=-1, le=MAX_COUNT) = -1  # type: ignore[valid-type]
     """As a referee: the round of the dissenting replica group whose shard it recomputed (-1: none)."""
     ref_group: conlist(constr(strict=True, min_length=1, max_length=128), max_items=MAX_REPLICAS + 1) = []  # type: ignore[valid-type]

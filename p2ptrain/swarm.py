@@ -171,6 +171,7 @@ class LocalStatus:
     digest: str = ""
     nonce: str = ""
     sketch: bytes = b""
+    verdict: str = ""
     ref_round: int = -1
     ref_group: list[str] = field(default_factory=list)
     ref_sketch: bytes = b""
@@ -179,7 +180,7 @@ class LocalStatus:
     banned: list[str] = field(default_factory=list)
 
 
-_AT_ONCE = {"state", "round", "params_hash", "seal", "nonce", "sketch", "ref_sketch"}
+_AT_ONCE = {"state", "round", "params_hash", "seal", "nonce", "sketch", "verdict", "ref_sketch"}
 """Changes published at once, not with the next beat: replicas and the barrier wait on them."""
 
 

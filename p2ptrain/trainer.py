@@ -542,6 +542,7 @@ class Trainer:
             tolerances=self._tolerances(round_),
         )
         self.verdicts.append((round_, verdict))
+        self._await_verdicts(verdict, [c.peer for c in claims if c.peer != self.peer_id], round_)
         self.reputation.agree([p for g in verdict.agreed for p in g])
         telemetry.observe_verdict(verdict, self.reputation)
         self.board.update(**self.reputation.listed(MAX_LISTED))  # for `p2ptrain status`, with the next beat
@@ -707,6 +708,23 @@ class Trainer:
         v = self.cfg.verification
         mixed = verify.MAX_TOLERANCE if round_ < v.grace_rounds else v.mixed_tolerance
         return verify.ByClass(v.tolerance, mixed)
+
+    def _await_verdicts(self, verdict: verify.RoundVerdict, peers: Sequence[str], round_: int) -> None:
+        """Publish our verdict's digest, and stay in the round until the peers whose claims we judged have
+        published theirs: a peer that left the round at once (a void round, say) would take its claims with it
+        before slower peers had read them. Says so when a peer reached another verdict."""
+        digest = verify.RoundVerdict.digest(verdict)
+        self.board.update(verdict=digest)
+        deadline = time.monotonic() + self.cfg.verification.reveal_timeout_s
+        seen = self._await_claims(peers, "verdict", round_, deadline)
+        differ = sorted(p[-8:] for p, r in seen.items() if r.verdict and r.verdict != digest)
+        if differ:
+            self.log.warning(
+                "peers reached another verdict on this round: they read other claims",
+                round=round_,
+                peers=differ,
+                of=len(seen),
+            )
 
     def _await_claims(
         self, peers: Sequence[str], field_name: str, round_: int, deadline: float
@@ -1098,7 +1116,7 @@ class Trainer:
         """Record fields that clear a verifiable round's claims (a new round starts without any)."""
         if not self.verifying:
             return {}
-        return dict(shard="", replicas=[], seal="", digest="", nonce="", sketch=b"")
+        return dict(shard="", replicas=[], seal="", digest="", nonce="", sketch=b"", verdict="")
 
     def _others(self) -> dict[str, ProgressRecord]:
         """The other peers' records (left ones included). Every reading also reaches ``self.memory``, through

@@ -462,6 +462,11 @@ class RoundVerdict:
     dissent: tuple[tuple[str, ...], ...]
     distances: dict[tuple[str, str], float]
 
+    def digest(self) -> str:
+        """A short hash of who counts with what share and who is left out why: equal on peers that agree."""
+        text = repr((sorted(self.shares.items()), sorted((p, w.value) for p, w in self.left_out.items())))
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
 
 def judge_round(
     claims: Sequence[Claim],

@@ -134,3 +134,23 @@ def test_two_peers_that_disagree_void_their_rounds_instead_of_retraining_them_fo
     assert a.rounds_voided == list(range(a.cfg.outer.num_rounds)) and a.rounds_applied == []
     assert not a.reputation.strikes
     assert peers["a"].result.outcome.value == "final"
+
+
+def test_two_colluders_never_get_an_honest_peer_struck_and_honest_peers_judge_alike(tmp_path):
+    """Two peers that send the same wrong work agree with each other when paired together (replicas cannot
+    tell; see docs/architecture.md#verification), and dissent with any honest partner: whatever the pairs,
+    every honest peer reaches the same verdict each round, and no honest peer is ever struck."""
+    swarm = MemorySwarm()
+    names = ["a", "b", "c", "x", "y"]
+    cfgs = _configs(tmp_path, names)
+    peers = {n: PeerThread(swarm, n, cfg, FlipsItsWork if n in "xy" else Trainer) for n, cfg in cfgs.items()}
+    finish(peers)
+    bad = {swarm.peer_id("x"), swarm.peer_id("y")}
+    by_round: dict[int, set[str]] = {}
+    for name in ("a", "b", "c"):
+        trainer = peers[name].trainer
+        assert set(trainer.reputation.strikes) <= bad, trainer.reputation.strikes
+        for r, verdict in trainer.verdicts:
+            by_round.setdefault(r, set()).add(verdict.digest())
+            assert not any(set(g) & bad and set(g) - bad for g in verdict.agreed), verdict
+    assert all(len(digests) == 1 for digests in by_round.values()), by_round
