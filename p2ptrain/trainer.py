@@ -501,7 +501,8 @@ class Trainer:
 
         Our nonce is revealed once every replica groupmate has sealed; the sketch's seed is made of the
         group's nonces, so nobody knew it while fixing their pseudo-gradient. The verdict
-        (:func:`verify.judge_round`) reads the records only: every honest peer of the group reaches the same.
+        (:func:`verify.judge_round`) reads the records only, so peers that read the same claims reach the same
+        one; each stays in the round until the others have judged (:meth:`_await_verdicts`), so that they do.
         """
         round_ = self.round
         deadline = time.monotonic() + self.cfg.verification.reveal_timeout_s
@@ -713,7 +714,7 @@ class Trainer:
         """Publish our verdict's digest, and stay in the round until the peers whose claims we judged have
         published theirs: a peer that left the round at once (a void round, say) would take its claims with it
         before slower peers had read them. Says so when a peer reached another verdict."""
-        digest = verify.RoundVerdict.digest(verdict)
+        digest = verdict.digest()
         self.board.update(verdict=digest)
         deadline = time.monotonic() + self.cfg.verification.reveal_timeout_s
         seen = self._await_claims(peers, "verdict", round_, deadline)
