@@ -32,7 +32,7 @@ from bench.simulate import simulate
 from bench.tamper import ATTACKS
 from p2ptrain.config import load_config
 from p2ptrain.evaluation import Evaluator
-from p2ptrain.localswarm import PeerProcess, closed_swarm_join
+from p2ptrain.localswarm import closed_swarm_join, run_swarm
 
 ROOT = Path(__file__).resolve().parent.parent
 PEERS = 4
@@ -76,28 +76,9 @@ def real(config: Path, attack: str, aggregator: str, workdir: Path) -> dict:
             "device.num_threads=1",
         ],
     )
-    peers: list[PeerProcess] = []
     t0 = time.monotonic()
-    try:
-        first = None
-        for i in range(PEERS):
-            args = base + ["--set", f"checkpoint.dir={workdir / f'peer{i}'}"]
-            args += ["--initial-peers", first] if first else []
-            hostile = attack != "none" and i == PEERS - 1
-            peers.append(
-                PeerProcess(
-                    [attack, *args] if hostile else args,
-                    workdir / f"peer{i}.log",
-                    index=i,
-                    module="bench.tamper" if hostile else "p2ptrain",
-                )
-            )
-            if first is None:
-                first = peers[0].wait_for_maddr(timeout_s=90)
-        codes = [p.wait(timeout_s=1800) for p in peers]
-    finally:
-        for p in peers:
-            p.stop()
+    hostile = {PEERS - 1: ("bench.tamper", [attack])} if attack != "none" else {}
+    peers, codes = run_swarm(base, workdir, PEERS, hostile=hostile)
     wall_s = time.monotonic() - t0
     honest = range(PEERS - 1 if attack != "none" else PEERS)
     evaluator = Evaluator()

@@ -33,7 +33,7 @@ from bench.cheat import ATTACKS
 from bench.report import DOC, merge_results, replace_block
 from p2ptrain.config import load_config
 from p2ptrain.evaluation import Evaluator
-from p2ptrain.localswarm import PeerProcess, closed_swarm_join
+from p2ptrain.localswarm import closed_swarm_join, run_swarm
 
 ROOT = Path(__file__).resolve().parent.parent
 PEERS = 4
@@ -78,30 +78,10 @@ def swarm(
             *sets,
         ],
     )
-    procs: list[PeerProcess] = []
     t0 = time.monotonic()
-    try:
-        first = None
-        for i in range(peers):
-            args = base + ["--set", f"checkpoint.dir={workdir / f'peer{i}'}"]
-            for item in peer_sets.get(i, []):
-                args += ["--set", item]
-            args += ["--initial-peers", first] if first else []
-            attack = hostile.get(i)
-            procs.append(
-                PeerProcess(
-                    [attack, *args] if attack else args,
-                    workdir / f"peer{i}.log",
-                    index=i,
-                    module="bench.cheat" if attack else "p2ptrain",
-                )
-            )
-            if first is None:
-                first = procs[0].wait_for_maddr(timeout_s=90)
-        codes = [p.wait(timeout_s=2400) for p in procs]
-    finally:
-        for p in procs:
-            p.stop()
+    cheats = {i: ("bench.cheat", [attack]) for i, attack in hostile.items()}
+    extra = {i: [a for item in items for a in ("--set", item)] for i, items in peer_sets.items()}
+    procs, codes = run_swarm(base, workdir, peers, hostile=cheats, extra=extra, timeout_s=2400)
     wall_s = time.monotonic() - t0
     honest = [i for i in range(peers) if i not in hostile]
     short = {i: (procs[i].maddr() or "").rsplit("/p2p/", 1)[-1][-8:] for i in range(peers)}

@@ -169,3 +169,34 @@ def closed_swarm_join(workdir: Path, config: Path, sets: list[str]) -> tuple[lis
     for item in sets:
         args += ["--set", item]
     return args, key
+
+
+def run_swarm(
+    base: list[str],
+    workdir: Path,
+    count: int,
+    *,
+    hostile: dict[int, tuple[str, list[str]]] | None = None,
+    extra: dict[int, list[str]] | None = None,
+    timeout_s: float = 1800,
+) -> tuple[list[PeerProcess], list[int]]:
+    """Run ``count`` peers of ``base`` join arguments to their end, each with its own checkpoint dir and log
+    under ``workdir``; the first one's address is the others' initial peer. ``hostile``: peer index ->
+    (module, arguments before ``base``) for a peer that is not plain ``p2ptrain``; ``extra``: index -> more
+    arguments. Returns the processes (stopped) and their exit codes."""
+    hostile, extra = hostile or {}, extra or {}
+    procs: list[PeerProcess] = []
+    try:
+        first = None
+        for i in range(count):
+            args = base + ["--set", f"checkpoint.dir={workdir / f'peer{i}'}", *extra.get(i, [])]
+            args += ["--initial-peers", first] if first else []
+            module, prefix = hostile.get(i, ("p2ptrain", []))
+            procs.append(PeerProcess([*prefix, *args], workdir / f"peer{i}.log", index=i, module=module))
+            if first is None:
+                first = procs[0].wait_for_maddr(timeout_s=90)
+        codes = [p.wait(timeout_s=timeout_s) for p in procs]
+    finally:
+        for p in procs:
+            p.stop()
+    return procs, codes

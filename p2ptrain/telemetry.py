@@ -243,15 +243,18 @@ def observe_verdict(verdict: RoundVerdict, reputation: Reputation) -> None:
     VERIFIED_GROUPS.labels(outcome="dissent").inc(len(verdict.dissent))
     for why in verdict.left_out.values():
         LEFT_OUT_PEERS.labels(reason=why.value).inc()
-    TRUSTED_PEERS.set(sum(reputation.trusted(p) for p in reputation.agreed))
-    BANNED_PEERS.set(len(reputation.banned))
+    _observe_reputation(reputation)
 
 
 def observe_convictions(convicted: list[str], banned: set[str], reputation: Reputation) -> None:
     """A referee's report was read: ``convicted`` got a strike, ``banned`` are banned from now on."""
     CONVICTIONS.inc(len(convicted))
-    BANNED_PEERS.set(len(reputation.banned))
+    _observe_reputation(reputation)
+
+
+def _observe_reputation(reputation: Reputation) -> None:
     TRUSTED_PEERS.set(sum(reputation.trusted(p) for p in reputation.agreed))
+    BANNED_PEERS.set(len(reputation.banned))
 
 
 def observe_swarm(records: dict[str, ProgressRecord]) -> None:

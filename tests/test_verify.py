@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from p2ptrain.records import PeerState, ProgressRecord
+from p2ptrain.records import ProgressRecord
 from p2ptrain.verify import (
     MAX_TOLERANCE,
     ByClass,
@@ -32,6 +32,7 @@ from p2ptrain.verify import (
     sketch_seed,
     tolerance,
 )
+from tests.test_records import rec
 
 
 def delta(seed: int, size: int = 50_000) -> list[torch.Tensor]:
@@ -315,20 +316,8 @@ def test_a_reputation_survives_a_round_trip_and_a_malformed_one_is_ignored_whole
 def test_a_sketch_survives_the_record():
     work = delta(1)
     s = sketch(work, 7)
-    record = ProgressRecord(
-        peer_id="a",
-        round=3,
-        state=PeerState.AVERAGING,
-        params_hash="ab",
-        samples_round=1,
-        samples_total=1,
-        samples_per_s=1.0,
-        last_group_size=1,
-        device="cpu",
-        time=1.0,
-        shard="0/2",
-        replicas=["a", "b"],
-        sketch=s.float().numpy().tobytes(),
+    record = rec("a", 3, state="averaging").copy(
+        update={"shard": "0/2", "replicas": ["a", "b"], "sketch": s.float().numpy().tobytes()}
     )
     parsed = Claim.of(ProgressRecord.parse_obj(record.wire()))
     assert parsed.replicas == ("a", "b") and distance(parsed.sketch, s) < 1e-6
@@ -370,17 +359,6 @@ def test_three_replicas_and_a_lone_peer_fit_a_record():
     members = [Member(f"p{i}", "cpu/float32", False) for i in range(4)]
     plan = assign(members, 1, replicas=3, audit_fraction=0.0)
     assert max(len(g) for g in plan.groups) == 4
-    base = dict(
-        peer_id="a",
-        round=1,
-        state=PeerState.TRAINING,
-        params_hash="ab",
-        samples_round=0,
-        samples_total=0,
-        samples_per_s=0.0,
-        last_group_size=0,
-        device="cpu",
-        time=1.0,
-    )
-    record = ProgressRecord(**base, replicas=list(plan.groups[0]), ref_group=list(plan.groups[0]))
+    group = list(plan.groups[0])
+    record = rec("a", 1).copy(update={"replicas": group, "ref_group": group})
     assert ProgressRecord.parse_obj(record.wire()).replicas == list(plan.groups[0])
