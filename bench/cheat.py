@@ -20,9 +20,12 @@ work that differs from its partner's):
 
 Attacks on what it says or sends (the work it commits to is honest):
 
-  claim_weight   claims its replica group's whole weight (samples x 1, not x 1/replicas)
-  copy_sketch    publishes its partner's sketch, and sends -10 times its pseudo-gradient
-  send_other     commits to its pseudo-gradient and sends -10 times it (bench/tamper.py's sign flip)
+  claim_weight   sends its replica group's whole weight (samples x 1, not x 1/replicas)
+  copy_sketch    seals (and sends) -10 times its pseudo-gradient, and publishes its partner's sketch
+  send_other     seals its pseudo-gradient and sends -10 times it (bench/tamper.py's sign flip)
+
+Replicas cannot see these (the sketches they compare are honest); reducers do: each part they receive must
+be the one its sender sealed, its sketch buckets those of that part, and its weight the verdict's.
 """
 
 from __future__ import annotations
@@ -139,39 +142,38 @@ def install(attack: str) -> None:
 
         def verify_round(self, group, stats):
             out = honest_verify(self, group, stats)
-            stats.share = 1.0
+            if stats.weight is not None:
+                stats.weight /= stats.share
             return out
 
         Trainer_.verify_round = verify_round
 
-    elif attack in ("copy_sketch", "send_other"):
+    elif attack == "send_other":
         honest_average = SwarmAverager.average
 
         def average(self, tensors, *, weight, round):
             return honest_average(self, [-10 * t for t in tensors], weight=weight, round=round)
 
         SwarmAverager.average = average
-        if attack == "copy_sketch":
-            honest_verify = Trainer_.verify_round
 
-            def verify_round(self, group, stats):
-                honest_update = self.board.update
+    elif attack == "copy_sketch":
 
-                def update(**changes):
-                    if "sketch" in changes:  # publish the partner's sketch instead, once it has one
-                        mates = [p for p in self._replicas if p != self.peer_id]
-                        got = self._await_claims(mates, "sketch", self.round, time.monotonic() + 30)
-                        copied = next((r.sketch for r in got.values() if r.sketch), None)
-                        changes["sketch"] = copied or changes["sketch"]
-                    return honest_update(**changes)
+        def inner_phase(self):
+            stats = honest_inner_phase(self)
+            replace_delta(self, DELTA_ATTACKS["sign_flip_x10"])
+            return stats
 
-                self.board.update = update
-                try:
-                    return honest_verify(self, group, stats)
-                finally:
-                    self.board.update = honest_update
+        def _sketch(self, seed):
+            mates = [p for p in self._replicas if p != self.peer_id]
+            got = self._await_claims(mates, "sketch", self.round, time.monotonic() + 30)
+            copied = next((r.sketch for r in got.values() if r.sketch), None)
+            if copied is None:
+                return honest_sketch(self, seed)
+            return torch.frombuffer(bytearray(copied), dtype=torch.float32)
 
-            Trainer_.verify_round = verify_round
+        honest_sketch = Trainer_._sketch
+        Trainer_.inner_phase = inner_phase
+        Trainer_._sketch = _sketch
     else:
         raise ValueError(attack)
 

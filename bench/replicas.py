@@ -11,12 +11,14 @@ as a verifiable round does (a fresh AdamW, the lr a function of (round, step), t
   colluders with the same wrong pseudo-gradient, and a slow drip (the honest pseudo-gradient plus a fixed
   bias of 1%, 5% and 20% of its norm).
 
-Each comparison commits, seeds a sketch from the commitments (``verify.sketch_seed``) and asks
-``verify.judge`` about the pair (an honest replica of each class against the attacker), with ``--seeds``
-independent sketches per pair (what another group's commitments would give). Reported per attack:
-comparisons, detections, the distances seen; and for honest pairs the false positives.
+Each comparison takes both pseudo-gradients as they would go on the wire (``verify.wire``, the default
+config's codec), commits to their parts, seeds a sketch from the commitments (``verify.sketch_seed``) and
+asks ``verify.judge`` about the pair (an honest replica of each class against the attacker), with
+``--seeds`` independent sketches per attacker pair and ``--honest-seeds`` per honest pair (what other
+groups' commitments would give). Reported per attack: comparisons, detections, the distances seen; and for
+honest pairs the false positives.
 
-    python -m bench.replicas [--rounds 30] [--seeds 4] [--grace 5]
+    python -m bench.replicas [--rounds 30] [--seeds 4] [--honest-seeds 40] [--grace 5]
 
 Writes the ``replicas`` part of bench/results/verification.json and the replicas table of
 docs/benchmarks.md.
@@ -54,7 +56,9 @@ from p2ptrain.verify import (
     sketch,
     sketch_seed,
     tolerance,
+    wire,
 )
+from p2ptrain.compression import codec_for
 
 ROOT = Path(__file__).resolve().parent.parent
 FP32, BF16 = "cpu/float32", "cpu/bfloat16"
@@ -122,7 +126,8 @@ def drip(d: list[torch.Tensor], bias: list[torch.Tensor], fraction: float) -> li
     return [t + fraction * norm * b for t, b in zip(d, bias)]
 
 
-def run(rounds: int, seeds: int, shards: int, grace: int) -> dict:
+def run(rounds: int, seeds: int, shards: int, grace: int, honest_seeds: int | None = None) -> dict:
+    honest_seeds = seeds if honest_seeds is None else honest_seeds
     cfg = load_config(ROOT / "configs" / "default.yaml")
     corpus = Corpus.from_bytes(load_corpus(cfg.data), cfg.model.context_length, cfg.data.val_fraction)
     replayer = Replayer(cfg, corpus, shards)
@@ -139,13 +144,19 @@ def run(rounds: int, seeds: int, shards: int, grace: int) -> dict:
     previous: list[torch.Tensor] | None = None
     t0 = time.monotonic()
 
-    def compare(name: str, a: tuple[str, list[torch.Tensor]], b: tuple[str, list[torch.Tensor]], r: int):
-        commits = [commitment(a[1]), commitment(b[1])]
-        for s in range(seeds):
+    codec = codec_for(cfg.averaging)
+
+    def compare(
+        name: str, a: tuple[str, list[torch.Tensor]], b: tuple[str, list[torch.Tensor]], r: int, n: int = seeds
+    ):
+        # As a verifiable round compares them: what each would send (the run's codec), sealed, then sketched.
+        wa, wb = wire(a[1], codec), wire(b[1], codec)
+        commits = [commitment(wa.digests), commitment(wb.digests)]
+        for s in range(n):
             seed = sketch_seed(f"bench-{s}", r, commits)
             reports = [
-                Report("a", a[0], sketch(a[1], seed), 0.0),
-                Report("b", b[0], sketch(b[1], seed), 0.0),
+                Report("a", a[0], sketch(wa.parts, seed), 0.0),
+                Report("b", b[0], sketch(wb.parts, seed), 0.0),
             ]
             comparisons.append((r, name, reports))
 
@@ -174,21 +185,22 @@ def run(rounds: int, seeds: int, shards: int, grace: int) -> dict:
         names = list(honest)
         for i, x in enumerate(names):
             for y in names[i + 1 :]:
-                compare(f"honest:{x}~{y}", honest[x], honest[y], r)
+                compare(f"honest:{x}~{y}", honest[x], honest[y], r, honest_seeds)
         for attack, d in attacks.items():
             for name in names:
                 compare(attack, honest[name], (FP32, d), r)
         # Two colluders with the same wrong pseudo-gradient and one honest replica: the group dissents; a
         # referee (another honest recomputation) convicts both colluders and not the honest peer.
-        wrong = attacks["wrong_shard"]
-        seed = sketch_seed("bench-colluders", r, [commitment(reference)] + [commitment(wrong)] * 2)
+        right, wrong = wire(reference, codec), wire(attacks["wrong_shard"], codec)
+        seed = sketch_seed("bench-colluders", r, [commitment(right.digests)] + [commitment(wrong.digests)] * 2)
         group = [
-            Report("honest", FP32, sketch(reference, seed), 0.0),
-            Report("x", FP32, sketch(wrong, seed), 0.0),
-            Report("y", FP32, sketch(wrong, seed), 0.0),
+            Report("honest", FP32, sketch(right.parts, seed), 0.0),
+            Report("x", FP32, sketch(wrong.parts, seed), 0.0),
+            Report("y", FP32, sketch(wrong.parts, seed), 0.0),
         ]
         refereed_ok["dissent"] = refereed_ok.get("dissent", 0) + (judge(group).outcome == Outcome.DISSENT)
-        referee = Report("referee", FP32, sketch(honest["fp32_2_threads"][1], seed), 0.0)
+        referee_wire = wire(honest["fp32_2_threads"][1], codec)
+        referee = Report("referee", FP32, sketch(referee_wire.parts, seed), 0.0)
         refereed_ok["runs"] += 1
         refereed_ok["convicted_right"] += refereed(group, referee) == {"x", "y"}
         previous = reference
@@ -201,6 +213,8 @@ def run(rounds: int, seeds: int, shards: int, grace: int) -> dict:
         "rounds": rounds,
         "grace_rounds": grace,
         "sketches_per_pair": seeds,
+        "sketches_per_honest_pair": honest_seeds,
+        "wire": cfg.averaging.compression,
         "shards": shards,
         "trajectory_val_loss": round(val, 4),
         # Both judged over the rounds after the grace rounds. Static: the defaults of verify.tolerance.
@@ -276,10 +290,16 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--seeds", type=int, default=4, help="independent sketches per compared pair")
+    parser.add_argument(
+        "--honest-seeds",
+        type=int,
+        default=40,
+        help="independent sketches per honest pair (3,000 comparisons or more bound false positives at 0.001)",
+    )
     parser.add_argument("--shards", type=int, default=4)
     parser.add_argument("--grace", type=int, default=5, help="rounds of calibration before verdicts count")
     args = parser.parse_args(argv)
-    result = run(args.rounds, args.seeds, args.shards, args.grace)
+    result = run(args.rounds, args.seeds, args.shards, args.grace, args.honest_seeds)
     result["machine"] = {"cpus": torch.get_num_threads(), "platform": platform.platform()}
     merge_results("verification.json", "replicas", result)
 
@@ -298,8 +318,9 @@ def main(argv: list[str] | None = None) -> None:
     ref = result["referee"]
     rows.append("")
     rows.append(
-        f"{args.rounds} rounds of configs/default.yaml along the swarm's trajectory, {args.seeds} sketches per "
-        "pair; each attacker is compared with each of the 3 honest replicas (fp32 on 1 and 2 threads, bf16), "
+        f"{args.rounds} rounds of configs/default.yaml along the swarm's trajectory, each pseudo-gradient "
+        f"compared as it goes on the wire ({result['wire']}), {args.seeds} sketches per "
+        f"attacker pair and {args.honest_seeds} per honest pair; each attacker is compared with each of the 3 honest replicas (fp32 on 1 and 2 threads, bf16), "
         "and honest lines count false positives. Static: verify.py's default tolerances (0.02 within a "
         "numeric class, 0.15 across). Calibrated: per class pair, "
         f"{CALIBRATION_MARGIN} × the largest distance of the pairs that agreed in the last {WINDOW} rounds "

@@ -48,9 +48,9 @@ WHAT = {
     "poisoned": "its shard with shuffled targets",
     "colluder": "two colluders, the same −10 × work",
     "drip": "a bias of 1 % of the norm",
-    "claim_weight": "claims its group's whole weight",
-    "copy_sketch": "copies its partner's sketch, sends −10 ×",
-    "send_other": "commits honestly, sends −10 ×",
+    "claim_weight": "sends its group's whole weight",
+    "copy_sketch": "seals −10 ×, publishes its partner's sketch",
+    "send_other": "seals honestly, sends −10 ×",
 }
 
 
@@ -97,6 +97,10 @@ def swarm(
     # The first honest peer's view (every honest peer judges from the same records: checked below).
     views = {i: _view(procs[i].events(), bad) for i in honest}
     view = views[honest[0]]
+    # Reducers' refusals are each peer's own (a part it received): the hostile peer is out for good once
+    # every honest peer has refused it.
+    refused = [v["refused"] for v in views.values()]
+    out_for_good = max(refused) if refused and None not in refused else None
     steps = [e for i in honest for e in procs[i].outer_steps()]
     return {
         "replicas": replicas,
@@ -108,8 +112,10 @@ def swarm(
         "rounds": len(view["judged"]),
         "attacked_rounds": view["attacked"],
         "hostile_counted_in": view["counted"],
-        "detected_in_round": min(view["detected"], default=None),
-        "banned_in_round": view["banned"],
+        "hostile_averaged_in": view["averaged"],
+        "detected_in_round": min([*view["detected"], *(r for r in refused if r is not None)], default=None),
+        "refused_by_reducers_in_round": [r for r in refused],
+        "banned_in_round": min((r for r in (view["banned"], out_for_good) if r is not None), default=None),
         "honest_struck": sorted({p for v in views.values() for p in v["struck"]} - bad),
         "honest_pairs": [d for v in views.values() for d in v["honest_distances"]],
         "honest_dissents": sum(v["honest_dissents"] for v in views.values()),
@@ -123,11 +129,19 @@ def swarm(
 def _view(events: list[dict], bad: set[str]) -> dict[str, Any]:
     """One honest peer's verdicts, from its log lines."""
     judged: dict[int, dict] = {}
-    attacked, counted, detected, struck = [], [], [], set()
-    honest_distances, honest_dissents, banned = [], 0, None
+    attacked, counted, detected, struck, averaged = [], [], [], set(), []
+    honest_distances, honest_dissents, banned, refused = [], 0, None, None
     duplicate_work = []
+    counted_peers: dict[int, int] = {}
     for e in events:
         event = e.get("event", "")
+        if event == "left a groupmate out" and e.get("fault") == "misbehaved":
+            if str(e.get("peer", ""))[-8:] in bad and refused is None:
+                refused = int(e["round"])
+        if event == "outer step" and int(e.get("round", -1)) in counted_peers:
+            # Every peer the verdict counted made the average: the hostile one's parts were in it.
+            if int(e.get("group_size", 0)) == counted_peers[int(e["round"])]:
+                averaged.append(int(e["round"]))
         if event == "verified the round":
             r = int(e["round"])
             groups = [*e.get("agreed", []), *e.get("dissent", [])]
@@ -138,6 +152,7 @@ def _view(events: list[dict], bad: set[str]) -> dict[str, Any]:
                 attacked.append(r)
                 if any(bad & set(g) for g in e.get("agreed", [])):
                     counted.append(r)
+                    counted_peers[r] = int(e.get("counted", 0))
                 else:
                     detected.append(r)
             for pair, d in e.get("distances", {}).items():
@@ -160,6 +175,8 @@ def _view(events: list[dict], bad: set[str]) -> dict[str, Any]:
         "detected": detected,
         "struck": struck,
         "banned": banned,
+        "refused": refused,
+        "averaged": averaged,
         "honest_distances": honest_distances,
         "honest_dissents": honest_dissents,
         "duplicate_work": duplicate_work,
@@ -232,23 +249,23 @@ def table(runs: dict[str, dict], cfg, config_name: str) -> list[str]:
         return f"{r['final_val_loss']:.3f}{ratio}"
 
     rows = [
-        "| the hostile peer | its work judged in rounds | counted in | detected in round | banned in round "
-        "| honest peers struck | val loss (vs honest k = 2) |",
-        "| --- | --- | --- | ---: | ---: | --- | ---: |",
+        "| the hostile peer | its work judged in rounds | counted by the verdict in | in an average in "
+        "| detected in round | banned in round | honest peers struck | val loss (vs honest k = 2) |",
+        "| --- | --- | --- | --- | ---: | ---: | --- | ---: |",
     ]
     for name in ("honest/k1", "honest/k2", "honest/k2_3peers"):
         if name not in runs:
             continue
         r = runs[name]
         who = "none, 3 honest peers only" if name.endswith("3peers") else "none"
-        rows.append(f"| {who}, k = {r['replicas']} | | | | | {r['honest_struck'] or 'none'} | {loss(r)} |")
+        rows.append(f"| {who}, k = {r['replicas']} | | | | | | {r['honest_struck'] or 'none'} | {loss(r)} |")
     for name, r in runs.items():
         if not name.startswith("attack/"):
             continue
         attack = name.split("/", 1)[1]
         rows.append(
             f"| {WHAT.get(attack, attack)} | {_rounds(r['attacked_rounds'])} | {_rounds(r['hostile_counted_in'])} "
-            f"| {_or_dash(r['detected_in_round'])} | {_or_dash(r['banned_in_round'])} "
+            f"| {_rounds(r.get('hostile_averaged_in', []))} | {_or_dash(r['detected_in_round'])} | {_or_dash(r['banned_in_round'])} "
             f"| {r['honest_struck'] or 'none'} | {loss(r)} |"
         )
     rows.append("")

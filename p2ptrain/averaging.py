@@ -57,7 +57,7 @@ from hivemind.utils.asyncio import (
 )
 
 from p2ptrain.aggregation import Aggregate, aggregator, mean
-from p2ptrain.compression import deserialize
+from p2ptrain.compression import DEFAULT_PART_SIZE_BYTES, deserialize
 from p2ptrain.config import AveragingConfig
 from p2ptrain.diloco import AverageResult, AveragingFailed
 from p2ptrain.logs import bind, get_logger, unbind
@@ -65,6 +65,7 @@ from p2ptrain.membership import Throttle
 from p2ptrain.procs import ParentWatchdog, keep_sigint_handler
 from p2ptrain.records import live
 from p2ptrain.swarm import progress_key, records_from_dht_value
+from p2ptrain.verify import Sealed, part_digest, sent_problem, sketch_layout
 
 log = get_logger(__name__)
 
@@ -98,6 +99,7 @@ class ExactAllReduceRunner(AllReduceRunner):
         peer_fractions,
         max_weight: float = math.inf,
         weights: Mapping[str, float] | None = None,
+        sealed: Mapping[str, Sealed] | None = None,
         aggregate: Aggregate = mean,
         on_fault: Callable[[PeerID, Fault, str], None] | None = None,
         on_part_served: Callable[[], None] | None = None,
@@ -107,6 +109,8 @@ class ExactAllReduceRunner(AllReduceRunner):
         self.max_weight = max_weight
         self.weights = weights or {}
         """A verifiable round's verdict: the weight each sender counts with, whatever it claims."""
+        self.sealed = sealed
+        """A verifiable round's seals: each sender's parts must be the ones it sealed and sketched."""
         self._on_fault = on_fault
         container_kwargs = {
             k: kwargs[k]
@@ -125,6 +129,12 @@ class ExactAllReduceRunner(AllReduceRunner):
         self._part_shapes_by_peer = [
             [part.shape for part, _ in parts] for parts in self.tensor_part_container._input_parts_by_peer
         ]
+        by_peer = self.tensor_part_container._input_parts_by_peer
+        # Parts are numbered in one order whoever reduces them: ours start after the earlier reducers'.
+        self._first_part = sum(len(parts) for parts in by_peer[:my_index])
+        self._layout = (
+            sketch_layout([part.numel() for parts in by_peer for part, _ in parts]) if sealed else ()
+        )
         self.parts_for_local_averaging = self.tensor_part_container.get_raw_input_parts(my_index)
         self.tensor_part_reducer = RobustPartReducer(
             tuple(part.shape for part in self.parts_for_local_averaging),
@@ -230,16 +240,13 @@ class ExactAllReduceRunner(AllReduceRunner):
         part_index = 0
         sender = self.sender_peer_ids[sender_index]
         try:
-            async for tensor_part, weight in amap_in_executor(
-                lambda item: (self._count_received(*item), item[1].weight),
+            async for tensor_part, weight, problem in amap_in_executor(
+                lambda item: self._receive(sender.to_base58(), *item),
                 _numbered(stream),
                 max_prefetch=self.tensor_part_container.prefetch,
             ):
                 # What a groupmate sends is never trusted: a bad part leaves it out of this all-reduce (the
                 # finally below bans it, and the reducer averages the others' parts without it).
-                problem = part_problem(tensor_part, _nth(self.tensor_part_reducer.part_shapes, part_index))
-                if problem is None and not (math.isfinite(weight) and 0 < weight <= self.max_weight):
-                    problem = f"weight {weight!r} is not in (0, {self.max_weight:g}]"
                 if problem is not None:
                     self._fault(sender, Fault.MISBEHAVED, f"as a sender, its part {part_index}: {problem}")
                     break
@@ -264,9 +271,26 @@ class ExactAllReduceRunner(AllReduceRunner):
             if part_index != self.tensor_part_reducer.num_parts:
                 await self._ban_sender(sender)
 
-    def _count_received(self, index: int, msg) -> torch.Tensor | None:
+    def _receive(self, sender: str, index: int, msg) -> tuple[torch.Tensor | None, float, str | None]:
+        """Decode and check one part a sender sent us (in a worker thread): the part, its weight, and what
+        is wrong with it (None: nothing)."""
         self.bytes_received += len(msg.tensor_part.buffer)
-        return _decoded(msg.tensor_part, _nth(self.tensor_part_reducer.part_shapes, index))
+        part = _decoded(msg.tensor_part, _nth(self.tensor_part_reducer.part_shapes, index))
+        weight = msg.weight
+        problem = part_problem(part, _nth(self.tensor_part_reducer.part_shapes, index))
+        if problem is None and not (math.isfinite(weight) and 0 < weight <= self.max_weight):
+            problem = f"weight {weight!r} is not in (0, {self.max_weight:g}]"
+        verdict_weight = self.weights.get(sender)
+        if problem is None and verdict_weight is not None and not math.isclose(weight, verdict_weight):
+            problem = f"it claims weight {weight:g} where the verdict gives it {verdict_weight:g}"
+        if problem is None and self.sealed is not None:
+            sealed = self.sealed.get(sender)
+            if sealed is None:
+                problem = "it sealed nothing in this round"
+            else:
+                digest = part_digest(msg.tensor_part)
+                problem = sent_problem(sealed, self._first_part + index, digest, part, self._layout)
+        return part, weight, problem
 
 
 class RobustPartReducer(TensorPartReducer):
@@ -477,6 +501,7 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
         self._max_state_bytes = max_state_bytes
         self._left_out = LeftOut()
         self._weights: dict[int, dict[str, float]] = {}
+        self._sealed: dict[int, dict[str, Sealed]] = {}
         self._round = -1
         self._members: set[str] = set()
         self._members_read_at = -math.inf
@@ -609,17 +634,26 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
         matchmaking._guarded = True
 
     def leave_out(
-        self, peers: Sequence[str], round: float, weights: Mapping[str, float] | None = None
+        self,
+        peers: Sequence[str],
+        round: float,
+        weights: Mapping[str, float] | None = None,
+        sealed: Mapping[str, Sealed] | None = None,
     ) -> None:
         """Never average with ``peers`` in ``round`` (``math.inf``: ever again, nor serve them our state):
         refuse them in matchmaking and in a group another leader formed. ``weights``: the weight each other
-        peer counts with in ``round`` (a verifiable round's verdict), whatever it claims."""
+        peer counts with in ``round`` (a verifiable round's verdict), whatever it claims; ``sealed``: what
+        each of them sealed about the parts it sends (reducers refuse any other part)."""
         future = MPFuture()
-        kwargs = dict(peers=list(peers), round=round, weights=dict(weights or {}), future=future)
+        kwargs = dict(
+            peers=list(peers), round=round, weights=dict(weights or {}), sealed=dict(sealed or {}), future=future
+        )
         self._outer_pipe.send(("_leave_out", [], kwargs))
         future.result(timeout=_PIPE_TIMEOUT_S)
 
-    async def _leave_out(self, peers: list[str], round: float, weights: dict, future: MPFuture) -> None:
+    async def _leave_out(
+        self, peers: list[str], round: float, weights: dict, sealed: dict, future: MPFuture
+    ) -> None:
         try:
             for peer in peers:
                 if round == math.inf:
@@ -629,6 +663,9 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
             if weights:
                 self._weights = {r: w for r, w in self._weights.items() if r >= round - 1}  # the current ones
                 self._weights[int(round)] = weights
+            if sealed:
+                self._sealed = {r: w for r, w in self._sealed.items() if r >= round - 1}
+                self._sealed[int(round)] = sealed
         except BaseException as e:
             future.set_exception(e)
             raise
@@ -716,6 +753,7 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
         return ExactAllReduceRunner(
             max_weight=self._max_weight,
             weights=self._weights.get(self._round),
+            sealed=self._sealed.get(self._round),
             aggregate=self._aggregate,
             on_fault=self._on_fault,
             **kwargs,
@@ -827,6 +865,7 @@ class SwarmAverager:
                 allreduce_timeout=cfg.allreduce_timeout_s,
                 next_chunk_timeout=cfg.next_chunk_timeout_s,
                 compression=codec,
+                part_size_bytes=DEFAULT_PART_SIZE_BYTES,  # the cut that verify.wire seals
                 client_mode=client_mode,
                 allow_state_sharing=not client_mode,
                 declare_state_period=10,
@@ -902,8 +941,14 @@ class SwarmAverager:
                     control.cancel()
                     raise _Stopped() from None
 
-    def leave_out(self, peers: Sequence[str], round: int, weights: Mapping[str, float] | None = None) -> None:
-        self._averager.leave_out(peers, round, weights)
+    def leave_out(
+        self,
+        peers: Sequence[str],
+        round: int,
+        weights: Mapping[str, float] | None = None,
+        sealed: Mapping[str, Sealed] | None = None,
+    ) -> None:
+        self._averager.leave_out(peers, round, weights, sealed)
 
     def ban(self, peers: Sequence[str]) -> None:
         self._averager.leave_out(peers, math.inf)

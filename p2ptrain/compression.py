@@ -164,6 +164,21 @@ def codec_for(cfg: AveragingConfig) -> CompressionBase:
     return make_codec(cfg.compression, block_size=cfg.block_size, small_tensor_numel=cfg.small_tensor_numel)
 
 
+def wire_parts(
+    tensors: Sequence[torch.Tensor], codec: CompressionBase, part_size_bytes: int = DEFAULT_PART_SIZE_BYTES
+) -> list[tuple[torch.Tensor, CompressionInfo]]:
+    """The parts hivemind's all-reduce cuts ``tensors`` into, in order, each with its compression info: each
+    tensor is split into runs of ``part_size_bytes`` on the wire (``TensorPartContainer``'s cut, which does not
+    depend on the group: only which reducer gets which part does)."""
+    parts = []
+    for key, tensor in enumerate(tensors):
+        info = CompressionInfo.from_tensor(tensor, key=key)
+        size = int(part_size_bytes / (tensor.element_size() * codec.estimate_compression_ratio(info)))
+        for index, part in enumerate(tensor.detach().reshape(-1).split(size)):
+            parts.append((part, info.get_part(index, size)))
+    return parts
+
+
 def roundtrip(
     codec: CompressionBase, tensor: torch.Tensor, info: CompressionInfo | None = None
 ) -> torch.Tensor:

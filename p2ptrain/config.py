@@ -408,6 +408,11 @@ class ExperimentConfig(BaseSettings):
                 f"verification.replicas {self.verification.replicas} needs model.dropout 0 (got "
                 f"{self.model.dropout}): replicas draw their dropout masks apart and would never agree"
             )
+        if self.verification.replicas > 1 and self.averaging.error_feedback:
+            raise ValueError(
+                f"verification.replicas {self.verification.replicas} needs averaging.error_feedback false: "
+                "a peer must send exactly the pseudo-gradient it sealed, not one plus its own residual"
+            )
         return self
 
     @model_validator(mode="after")

@@ -19,6 +19,7 @@ from p2ptrain import telemetry
 from p2ptrain.config import ExperimentConfig
 from p2ptrain.diloco import AverageResult
 from p2ptrain.records import ProgressRecord, live
+from p2ptrain.verify import Sealed
 
 StateProvider = Callable[[], tuple[dict, list[torch.Tensor]]]
 """What a donor serves: metadata and tensors (``transfer.donation``)."""
@@ -58,9 +59,16 @@ class PeerAverager(Protocol):
 
     def set_round(self, round: int) -> None: ...
 
-    def leave_out(self, peers: Sequence[str], round: int, weights: Mapping[str, float] | None = None) -> None:
+    def leave_out(
+        self,
+        peers: Sequence[str],
+        round: int,
+        weights: Mapping[str, float] | None = None,
+        sealed: Mapping[str, Sealed] | None = None,
+    ) -> None:
         """Refuse to average with ``peers`` in ``round`` (they were not verified); count each other peer
-        with its weight in ``weights`` (the verdict's), whatever it claims."""
+        with its weight in ``weights`` (the verdict's) and refuse it if it claims another, or sends a part
+        other than it sealed in ``sealed``."""
 
     def ban(self, peers: Sequence[str]) -> None:
         """Never average with ``peers`` again, nor serve them our state."""

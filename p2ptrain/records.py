@@ -27,6 +27,10 @@ MAX_RATE = 1e12
 """Largest throughput a record may claim, in samples per second."""
 SKETCH_VALUES = 1024
 """Values in a verification sketch (verify.SKETCH_WIDTH)."""
+MAX_WIRE_PARTS = SKETCH_VALUES
+"""The most all-reduce parts a verifiable round can bind (one sketch bucket each, at least): 1024 parts of
+hivemind's 512 KiB are about 500M parameters at int8."""
+PART_DIGEST_BYTES = 16
 MAX_REPLICAS = 3
 """The most replicas per shard (verification.replicas); verify.assign may add one lone peer to a group."""
 MAX_LISTED = 256
@@ -87,11 +91,14 @@ class ProgressRecord(BaseModel):
     seal: constr(strict=True, regex=r"^[0-9a-f]{0,64}$") = ""  # type: ignore[valid-type]
     """verify.sealed(digest, nonce), published when its inner phase is done, before anyone reveals."""
     digest: constr(strict=True, regex=r"^[0-9a-f]{0,64}$") = ""  # type: ignore[valid-type]
-    """verify.commitment of its pseudo-gradient, revealed with the nonce."""
+    """verify.commitment to the parts it will send (the hash of ``parts``), revealed with the nonce."""
     nonce: constr(strict=True, regex=r"^[0-9a-f]{0,32}$") = ""  # type: ignore[valid-type]
     """Revealed once every groupmate has sealed: the group's sketch seed is made of its members' nonces."""
+    parts: conbytes(strict=True, max_length=PART_DIGEST_BYTES * MAX_WIRE_PARTS) = b""  # type: ignore[valid-type]
+    """verify.part_digest of each all-reduce part it will send, in order (``digest`` is their hash), revealed
+    with the nonce: reducers check the bytes they receive against them."""
     sketch: conbytes(strict=True, max_length=4 * SKETCH_VALUES) = b""  # type: ignore[valid-type]
-    """verify.sketch of its pseudo-gradient under the group's seed, float32 little-endian."""
+    """verify.sketch of the parts it will send under the group's seed, float32 little-endian."""
     verdict: constr(strict=True, regex=r"^[0-9a-f]{0,16}$") = ""  # type: ignore[valid-type]
     """verify.RoundVerdict.digest of its verdict on ``round``: published before it leaves the round, so that
     peers that judge later still read its claims (and a verdict that differs from the others' shows)."""

@@ -170,6 +170,7 @@ class LocalStatus:
     seal: str = ""
     digest: str = ""
     nonce: str = ""
+    parts: bytes = b""
     sketch: bytes = b""
     verdict: str = ""
     ref_round: int = -1

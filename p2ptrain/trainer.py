@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 
 from p2ptrain import checkpoint, protocol, telemetry, verify
-from p2ptrain.compression import ErrorFeedback, codec_for
-from p2ptrain.config import ExperimentConfig
+from p2ptrain.compression import ErrorFeedback, codec_for, wire_parts
+from p2ptrain.config import ConfigError, ExperimentConfig
 from p2ptrain.data import Corpus, load_corpus
 from p2ptrain.diloco import DiLoCo, OuterStepReport, tensors_hash
 from p2ptrain.evaluation import evaluate
@@ -33,7 +33,7 @@ from p2ptrain.logs import bind, get_logger
 from p2ptrain.models import build_model, num_params
 from p2ptrain.progress import InnerProgress, Waiting, terminal_progress_enabled
 from p2ptrain.protocol import BarrierState, BehindState, LingerState, Me
-from p2ptrain.records import MAX_LISTED, PeerState, ProgressRecord, live
+from p2ptrain.records import MAX_LISTED, MAX_WIRE_PARTS, PeerState, ProgressRecord, live
 from p2ptrain.transfer import donation, fetch_state
 
 log = get_logger(__name__)
@@ -86,6 +86,9 @@ class RoundStats:
     sync_s: float = 0.0
     share: float = 1.0
     """The factor of this peer's weight in the average: 1 / its replica group's size in a verifiable round."""
+    weight: float | None = None
+    """A verifiable round's weight for us, as the verdict gives it: we send exactly that (reducers refuse any
+    other)."""
 
     @property
     def loss(self) -> float:
@@ -143,6 +146,8 @@ class Trainer:
         self._referee_jobs: list[tuple[verify.Dispute, list[torch.Tensor]]] = []
         self._my_referee_report: tuple[int, tuple[str, ...], torch.Tensor] | None = None
         self._digest = self._nonce = ""
+        self._wire: verify.Wire | None = None
+        """Our pseudo-gradient as the all-reduce will send it: what we seal, sketch and send."""
 
     @property
     def round(self) -> int:
@@ -201,6 +206,13 @@ class Trainer:
         )
         self.codec = codec_for(cfg.averaging)  # one codec: error feedback must round as the wire does
         shapes = [p.shape for p in self.model.parameters() if p.requires_grad]
+        if self.verifying:
+            parts = len(wire_parts([torch.empty(s, device="meta") for s in shapes], self.codec))
+            if parts > MAX_WIRE_PARTS:
+                raise ConfigError(
+                    f"verification.replicas {cfg.verification.replicas}: model {cfg.model.name} goes into the "
+                    f"all-reduce in {parts} parts, and a verifiable round binds {MAX_WIRE_PARTS} at most"
+                )
         error_feedback = ErrorFeedback(self.codec, shapes) if cfg.averaging.error_feedback else None
         self.diloco = DiLoCo(
             self.model,
@@ -490,8 +502,9 @@ class Trainer:
                 self.stop.wait(self._poll_s)
 
     def seal(self) -> None:
-        """Publish a seal of our pseudo-gradient and a fresh nonce, before anyone reveals anything."""
-        self._digest = verify.commitment(self.diloco.pseudo_gradient())
+        """Publish a seal of the parts we will send and a fresh nonce, before anyone reveals anything."""
+        self._wire = verify.wire(self.diloco.pseudo_gradient(), self.codec)
+        self._digest = verify.commitment(self._wire.digests)
         self._nonce = secrets.token_hex(16)
         self.board.update(seal=verify.sealed(self._digest, self._nonce))
 
@@ -509,15 +522,16 @@ class Trainer:
         ready = {r.peer_id for r in group}
         mates = [p for p in self._replicas if p != self.peer_id and p in ready]
         self._await_claims(mates, "seal", round_, deadline)
-        self.board.update(digest=self._digest, nonce=self._nonce)
+        wire = self._wire
+        assert wire is not None, "seal() comes first"
+        self.board.update(digest=self._digest, nonce=self._nonce, parts=wire.digests)
         seen = self._await_claims(mates, "nonce", round_, deadline)
         sketch = None
         if all(p in seen and seen[p].nonce for p in mates):
             # Only with the whole group's seed: a sketch under part of it would disagree with a groupmate that
             # revealed late, and a referee (who uses the whole seed) would then convict us.
             nonces = [self._nonce, *(seen[p].nonce for p in mates)]
-            seed = verify.group_seed(self.cfg.run.run_id, round_, nonces)
-            sketch = verify.sketch(self.diloco.pseudo_gradient(), seed).float()
+            sketch = self._sketch(verify.group_seed(self.cfg.run.run_id, round_, nonces))
             self.board.update(sketch=sketch.numpy().tobytes())
         seen = self._await_claims(sorted(ready), "sketch", round_, deadline)
         claims = [verify.Claim.of(r) for r in seen.values()]
@@ -531,6 +545,7 @@ class Trainer:
                 digest=self._digest,
                 nonce=self._nonce,
                 sketch=None if sketch is None else sketch.double(),  # as the others read it from our record
+                parts=wire.digests,
             )
         )
         self.settle_disputes(round_)  # referees' reports on earlier rounds: strikes and bans count from now
@@ -592,9 +607,17 @@ class Trainer:
         # its replicas), never with what it claims.
         full = self.cfg.inner.num_inner_steps * self.cfg.inner.batch_size
         weights = {p: full * share for p, share in verdict.shares.items()}
-        self.averager.leave_out([p for p in verdict.left_out if p != self.peer_id], round_, weights)
+        # Reducers also check every part they receive against what its sender sealed and sketched.
+        sealed = verify.sealed_parts(verdict, claims, run_id=self.cfg.run.run_id, round=round_)
+        self.averager.leave_out([p for p in verdict.left_out if p != self.peer_id], round_, weights, sealed)
         stats.share = verdict.shares[self.peer_id]
+        stats.weight = weights[self.peer_id]
         return [r for r in group if r.peer_id in verdict.shares]
+
+    def _sketch(self, seed: int) -> torch.Tensor:
+        """Our sketch under the group's seed (float32): of the parts we will send, as reducers decode them."""
+        assert self._wire is not None, "seal() comes first"
+        return verify.sketch(self._wire.parts, seed).float()
 
     def referee(self) -> None:
         """Recompute a dissenting group's shard of an earlier round from that round's params, exactly as its
@@ -613,7 +636,7 @@ class Trainer:
             return
         self.log.info("refereeing", round=dispute.round, group=[p[-8:] for p in dispute.group])
         delta = self._replay(dispute.round, *shard, start)
-        sketch = verify.sketch(delta, dispute.seed)
+        sketch = verify.sketch(verify.wire(delta, self.codec).parts, dispute.seed)
         self.board.update(
             ref_round=dispute.round,
             ref_group=list(dispute.group),
@@ -775,7 +798,7 @@ class Trainer:
             waiting.update(f"round {round_}: averaging", peers=len(group) + 1)
             report = self.diloco.sync(
                 None if alone else self.averager,
-                weight=max(stats.samples, 1) * stats.share,
+                weight=stats.weight if stats.weight is not None else max(stats.samples, 1) * stats.share,
                 round=round_,
                 fallback=self._may_step_alone,
             )
@@ -1117,7 +1140,7 @@ class Trainer:
         """Record fields that clear a verifiable round's claims (a new round starts without any)."""
         if not self.verifying:
             return {}
-        return dict(shard="", replicas=[], seal="", digest="", nonce="", sketch=b"", verdict="")
+        return dict(shard="", replicas=[], seal="", digest="", nonce="", parts=b"", sketch=b"", verdict="")
 
     def _others(self) -> dict[str, ProgressRecord]:
         """The other peers' records (left ones included). Every reading also reaches ``self.memory``, through

@@ -9,16 +9,13 @@ pseudo-gradients would cost a model's size in traffic per comparison; a :func:`s
 values, linear in the pseudo-gradient) estimates their distance within a few percent.
 
 A sketch can be fooled by a pseudo-gradient made for it (anything in the sketch's null space is
-invisible), so its seed must be unknown while the pseudo-gradient is fixed: each replica first publishes a
-:func:`commitment` to its pseudo-gradient, and the seed is derived from the commitments of the whole
-replica group (:func:`sketch_seed`). Two gaps remain for the wiring to close:
-
-* the last replica to commit knows the others' commitments and can grind its own (change one bit, commit
-  again) until the seed suits it; the seed must also take nonces revealed only once every commitment is in;
-* nothing here binds a report's sketch to what a peer sends into the all-reduce: reducers must check the
-  parts they receive against per-part commitments of the exact bytes sent. (The sketch's buckets and signs
-  are drawn for the whole vector, so a reducer can sketch its slice with the same draws, and the slices'
-  sketches add up to the whole one.)
+invisible), so its seed must be unknown while the pseudo-gradient is fixed. Each replica first seals a
+:func:`commitment` to the exact bytes it will send into the all-reduce (a digest per part: :func:`wire`) and
+a nonce; the seed is made of the group's nonces, revealed only once every member has sealed
+(:func:`group_seed`), so nobody can grind it. The sketch is of those parts as their receivers decode them,
+each part into buckets of its own (:func:`sketch_layout`): a reducer that receives a part checks its digest
+and its buckets (:func:`sent_problem`), so a peer that sends other bytes than it sealed, or publishes a
+sketch that is not of them (one copied from a replica), is refused by every reducer it sends to.
 
 Who checks whom is :func:`assign` (replica groups from the roster and a seed: untrusted peers always
 share their shard with trusted ones, trusted ones are audited at a fraction), and what verdicts add up to
@@ -38,21 +35,51 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 import torch
+from hivemind.compression import CompressionBase
+from hivemind.proto import runtime_pb2
 
-from p2ptrain.records import SKETCH_VALUES, ProgressRecord
+from p2ptrain.compression import DEFAULT_PART_SIZE_BYTES, deserialize, wire_parts
+from p2ptrain.records import PART_DIGEST_BYTES, SKETCH_VALUES, ProgressRecord
 
 SKETCH_WIDTH = SKETCH_VALUES
 """Values in a sketch: the distance estimate's relative error is about sqrt(1 / width), 3% here."""
 
 
-def commitment(tensors: Sequence[torch.Tensor]) -> str:
-    """sha256 of a pseudo-gradient's float32 bytes, tensor by tensor, shapes included."""
+def part_digest(serialized: runtime_pb2.Tensor) -> bytes:
+    """What a replica commits to for one all-reduce part: 16 bytes of sha256 over the part as it goes on the
+    wire (its format, dtype, shape and bytes)."""
     digest = hashlib.sha256()
-    for t in tensors:
-        t = t.detach().to("cpu", torch.float32).contiguous()
-        digest.update(repr(tuple(t.shape)).encode())
-        digest.update(t.numpy().tobytes())
-    return digest.hexdigest()
+    digest.update(f"{serialized.compression}\n{serialized.dtype}\n{tuple(serialized.size)}\n".encode())
+    digest.update(serialized.buffer)
+    return digest.digest()[:PART_DIGEST_BYTES]
+
+
+@dataclass(frozen=True)
+class Wire:
+    """A pseudo-gradient as the all-reduce will send it."""
+
+    parts: list[torch.Tensor]
+    """Each part as its receivers decode it (flat, float32), in hivemind's order."""
+    digests: bytes
+    """:func:`part_digest` of each part, in order."""
+
+
+def wire(
+    tensors: Sequence[torch.Tensor], codec: CompressionBase, part_size_bytes: int = DEFAULT_PART_SIZE_BYTES
+) -> Wire:
+    """Cut, encode and decode a pseudo-gradient exactly as the averager will (codecs are deterministic), so
+    that what a replica sketches and commits to is what its reducers receive, byte for byte."""
+    decoded, digests = [], []
+    for part, info in wire_parts(tensors, codec, part_size_bytes):
+        serialized = codec.compress(part, info, allow_inplace=False)
+        digests.append(part_digest(serialized))
+        decoded.append(deserialize(serialized).to(torch.float32).reshape(-1))
+    return Wire(decoded, b"".join(digests))
+
+
+def commitment(digests: bytes) -> str:
+    """What a replica seals: the hash of its parts' digests (so the seal binds every byte it will send)."""
+    return hashlib.sha256(digests).hexdigest()
 
 
 def sketch_seed(run_id: str, round: int, commitments: Sequence[str]) -> int:
@@ -66,20 +93,86 @@ _SKETCH_CHUNK = 1 << 16
 process's heap without bound under glibc's malloc; chunks of one size are reused."""
 
 
-def sketch(tensors: Sequence[torch.Tensor], seed: int, width: int = SKETCH_WIDTH) -> torch.Tensor:
-    """CountSketch of the flattened tensors: value j goes, with a random sign, into a random one of ``width``
-    buckets (both drawn from ``seed``, in order). Linear, so sketch(a) - sketch(b) = sketch(a - b), and
-    ||sketch(x)|| estimates ||x||."""
-    generator = torch.Generator().manual_seed(seed)
+def sketch_layout(sizes: Sequence[int], width: int = SKETCH_WIDTH) -> list[tuple[int, int]]:
+    """Which buckets of a sketch each part owns, as (offset, count): in proportion to its size (largest
+    remainders), one at least, ``width`` in all. Public, like the parts' sizes."""
+    if len(sizes) > width:
+        raise ValueError(f"{len(sizes)} parts do not fit a sketch of {width} values")
+    spare = width - len(sizes)
+    quotas = [spare * n / max(sum(sizes), 1) for n in sizes]
+    counts = [1 + int(q) for q in quotas]
+    by_remainder = sorted(range(len(sizes)), key=lambda i: (int(quotas[i]) - quotas[i], i))
+    for k in range(width - sum(counts)):
+        counts[by_remainder[k % len(sizes)]] += 1
+    offsets = [sum(counts[:i]) for i in range(len(counts))]
+    return list(zip(offsets, counts))
+
+
+def part_sketch(part: torch.Tensor, seed: int, index: int, width: int) -> torch.Tensor:
+    """CountSketch of one part into its ``width`` buckets: value j goes, with a random sign, into a random
+    bucket, both drawn from (``seed``, ``index``) in order. A reducer that holds part ``index`` computes it
+    alone."""
+    key = hashlib.sha256(f"{seed}\n{index}".encode()).digest()[:8]
+    generator = torch.Generator().manual_seed(int.from_bytes(key, "little"))
     out = torch.zeros(width, dtype=torch.float64)
-    for tensor in tensors:
-        flat = tensor.detach().to("cpu", torch.float32).reshape(-1)
-        for start in range(0, flat.numel(), _SKETCH_CHUNK):
-            piece = flat[start : start + _SKETCH_CHUNK]
-            draws = torch.randint(0, 2 * width, (piece.numel(),), generator=generator, dtype=torch.int64)
-            signed = torch.where((draws & 1).bool(), piece, -piece).double()
-            out.index_add_(0, draws >> 1, signed)
+    flat = part.detach().to("cpu", torch.float32).reshape(-1)
+    for start in range(0, flat.numel(), _SKETCH_CHUNK):
+        piece = flat[start : start + _SKETCH_CHUNK]
+        draws = torch.randint(0, 2 * width, (piece.numel(),), generator=generator, dtype=torch.int64)
+        signed = torch.where((draws & 1).bool(), piece, -piece).double()
+        out.index_add_(0, draws >> 1, signed)
     return out
+
+
+def sketch(parts: Sequence[torch.Tensor], seed: int, width: int = SKETCH_WIDTH) -> torch.Tensor:
+    """CountSketch of a pseudo-gradient's parts (:attr:`Wire.parts`), each into its own buckets
+    (:func:`sketch_layout`). Linear, so sketch(a) - sketch(b) = sketch(a - b), and ||sketch(x)|| estimates
+    ||x||; and a part's buckets are :func:`part_sketch` of that part alone."""
+    layout = sketch_layout([p.numel() for p in parts], width)
+    return torch.cat([part_sketch(p, seed, i, count) for i, (p, (_, count)) in enumerate(zip(parts, layout))])
+
+
+@dataclass(frozen=True)
+class Sealed:
+    """What a counted peer of a verifiable round committed to about the parts it sends: every reducer
+    checks the parts it receives from it against this (:func:`sent_problem`)."""
+
+    digests: bytes
+    sketch: bytes = b""
+    """Its published sketch (float32), b"" if it published none (a trusted peer whose partner vanished)."""
+    seed: int | None = None
+    """Its sketch's seed, None if it published none."""
+
+
+def sent_problem(
+    sealed: Sealed, index: int, digest: bytes, part: torch.Tensor, layout: Sequence[tuple[int, int]]
+) -> str | None:
+    """What is wrong with part ``index`` as a sender sent it (its :func:`part_digest` and decoded values),
+    against what it sealed and sketched; None if nothing is.
+
+    The digest shows bytes other than the sealed ones (fixed before the sketch's seed was known, so they
+    cannot have been made for the sketch). The part's buckets show a sketch that is not of these bytes (one
+    copied from a replica, say), so the sketch the replicas compared is of what is sent. Both are exact: the
+    sender computed them from the same bytes.
+    """
+    expected = sealed.digests[index * PART_DIGEST_BYTES : (index + 1) * PART_DIGEST_BYTES]
+    if digest != expected:
+        return f"part {index} is not the one it sealed"
+    if sealed.seed is None or not sealed.sketch or index >= len(layout):
+        return None
+    offset, count = layout[index]
+    published = torch.frombuffer(bytearray(sealed.sketch[4 * offset : 4 * (offset + count)]), dtype=torch.float32)
+    if published.numel() != count:
+        return f"its sketch has no buckets for part {index}"
+    mine = part_sketch(part, sealed.seed, index, count).float()
+    if not distance(mine.double(), published.double()) <= SENT_SKETCH_TOLERANCE:
+        return f"its sketch is not of part {index} as sent"
+    return None
+
+
+SENT_SKETCH_TOLERANCE = 1e-5
+"""A part's buckets as sent against as published: equal but for float rounding (both are float32 of the same
+float64 sums of the same values)."""
 
 
 def distance(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -407,6 +500,8 @@ class Claim:
     digest: str = ""
     nonce: str = ""
     sketch: torch.Tensor | None = None
+    parts: bytes = b""
+    """The digests of the parts it sends (:attr:`Wire.digests`): ``digest`` is their hash."""
 
     @classmethod
     def of(cls, record: ProgressRecord) -> Claim:
@@ -424,6 +519,7 @@ class Claim:
             digest=record.digest,
             nonce=record.nonce,
             sketch=sketch,
+            parts=record.parts,
         )
 
     def report(self) -> Report:
@@ -434,7 +530,12 @@ class Claim:
 
     @property
     def revealed(self) -> bool:
-        return bool(self.nonce and self.digest) and sealed(self.digest, self.nonce) == self.seal
+        """Its nonce opens its seal, and its parts' digests are what it sealed."""
+        return (
+            bool(self.nonce and self.digest)
+            and sealed(self.digest, self.nonce) == self.seal
+            and commitment(self.parts) == self.digest
+        )
 
 
 class Why(str, Enum):
@@ -503,10 +604,12 @@ def judge_round(
             m is not None and m.shard == claim.shard and tuple(sorted(m.replicas)) == group for m in members
         )
         if not complete:
-            if trusted(peer):
-                shares[peer] = 1.0  # trained alone (or its partner vanished): its trust vouches for it
-            else:
+            if not trusted(peer):
                 left_out[peer] = Why.UNMATCHED
+            elif not claim.revealed:  # reducers could not check what it sends
+                left_out[peer] = Why.UNREVEALED
+            else:
+                shares[peer] = 1.0  # trained alone (or its partner vanished): its trust vouches for it
             continue
         mates = [m for m in members if m is not None]
         if any(banned(m.peer) for m in mates):
@@ -530,6 +633,28 @@ def judge_round(
             for m in mates:
                 left_out[m.peer] = Why.DISSENT
     return RoundVerdict(shares, left_out, tuple(agreed), tuple(dissent), distances)
+
+
+def sealed_parts(
+    verdict: RoundVerdict, claims: Sequence[Claim], *, run_id: str, round: int
+) -> dict[str, Sealed]:
+    """What reducers check each peer that counts in ``verdict`` against: its parts' digests, and its sketch
+    with the seed it was drawn from (a group's that agreed: all its nonces; a peer alone: its own). A trusted
+    peer whose partner vanished sketched under a seed we cannot know: only its digests are checked."""
+    by_peer = {c.peer: c for c in claims}
+    in_group = {p: g for g in verdict.agreed for p in g}
+    out: dict[str, Sealed] = {}
+    for peer in verdict.shares:
+        claim = by_peer.get(peer)
+        if claim is None:
+            continue
+        group = in_group.get(peer, (peer,) if tuple(claim.replicas) in ((), (peer,)) else None)
+        if group is None or claim.sketch is None or not all(p in by_peer for p in group):
+            out[peer] = Sealed(claim.parts)
+            continue
+        seed = group_seed(run_id, round, [by_peer[p].nonce for p in group])
+        out[peer] = Sealed(claim.parts, claim.sketch.float().numpy().tobytes(), seed)
+    return out
 
 
 # ------------------------------------------------------------------------------------------- referees

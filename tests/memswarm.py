@@ -28,6 +28,7 @@ from p2ptrain.diloco import AverageResult, AveragingFailed
 from p2ptrain.link import Link
 from p2ptrain.records import PeerState, ProgressRecord
 from p2ptrain.trainer import RunResult, Trainer
+from p2ptrain.verify import Sealed, Wire, sent_problem, sketch_layout, wire
 from tests.conftest import ROOT
 
 # Rounds of tens of milliseconds, timers of a fraction of a second: a whole swarm runs in seconds.
@@ -254,8 +255,9 @@ class MemoryAverager:
             peer.check_alive()
             try:
                 tamper = peer.swarm.injector.tamper.get(peer.name, lambda t: t)
-                sent = [roundtrip(self._codec, tamper(t)) for t in tensors]
-                return peer.swarm.allreduce(peer, sent, weight, round)
+                tampered = [tamper(t) for t in tensors]
+                sent = [roundtrip(self._codec, t) for t in tampered]
+                return peer.swarm.allreduce(peer, sent, weight, round, wire(tampered, self._codec))
             except AveragingFailed as e:
                 if e.reason == "stopped":
                     raise
@@ -276,11 +278,13 @@ class MemoryAverager:
     def set_round(self, round: int) -> None:
         pass
 
-    def leave_out(self, peers, round: int, weights=None) -> None:
+    def leave_out(self, peers, round: int, weights=None, sealed=None) -> None:
         with self._peer.swarm._lock:
             self._peer.swarm.left_out.setdefault((self._peer.peer_id, round), set()).update(peers)
             if weights:
                 self._peer.swarm.verdict_weights[(self._peer.peer_id, round)] = dict(weights)
+            if sealed:
+                self._peer.swarm.sealed[(self._peer.peer_id, round)] = dict(sealed)
 
     def ban(self, peers) -> None:
         with self._peer.swarm._lock:
@@ -296,6 +300,8 @@ class _Group:
     closes_at: float
     target: int
     members: list[tuple[_Peer, list[torch.Tensor], float]] = field(default_factory=list)
+    wires: dict[str, Wire] = field(default_factory=dict)
+    """What each member sent, as its reducers receive it (parts and their digests)."""
     closed: threading.Event = field(default_factory=threading.Event)
     results: dict[str, AverageResult | AveragingFailed] = field(default_factory=dict)
 
@@ -316,6 +322,10 @@ class MemorySwarm:
         """(peer, round) -> the weight each groupmate counts with by that peer's verdict (never its claim)."""
         self.banned_by: dict[str, set[str]] = {}
         """peer -> whom it banned: never averaged with, never served."""
+        self.averaged: list[tuple[int, list[str]]] = []
+        """(round, the members whose parts made the average) of every all-reduce that produced one."""
+        self.sealed: dict[tuple[str, int], dict[str, Sealed]] = {}
+        """(peer, round) -> what each groupmate sealed about its parts, by that peer's verdict."""
         self._lock = threading.Condition()
 
     # --- the board
@@ -341,7 +351,9 @@ class MemorySwarm:
             return {pid: r for pid, (r, expires) in self._store.items() if expires > now}
 
     # --- the all-reduce
-    def allreduce(self, peer: _Peer, tensors: list[torch.Tensor], weight: float, round: int) -> AverageResult:
+    def allreduce(
+        self, peer: _Peer, tensors: list[torch.Tensor], weight: float, round: int, sent: Wire
+    ) -> AverageResult:
         cfg = peer.cfg.averaging
         with self._lock:
             group = self._groups.get(round)
@@ -350,6 +362,7 @@ class MemorySwarm:
                     round, time.monotonic() + cfg.matchmaking_time_s, cfg.target_group_size
                 )
             group.members.append((peer, tensors, weight))
+            group.wires[peer.peer_id] = sent
             if len(group.members) >= group.target or self._everyone_ready_is_in(group):
                 self._close(group, cfg.min_group_size)
         while not group.closed.wait(0.01):
@@ -392,6 +405,25 @@ class MemorySwarm:
         }
         return ready <= {m[0].peer_id for m in group.members}
 
+    def _sent_problem(self, reducer: _Peer, member, group: _Group) -> str | None:
+        """What ``reducer`` finds wrong with what ``member`` sent it (None: nothing, or no verdict to go by)."""
+        peer, _, weight = member
+        verdict = self.verdict_weights.get((reducer.peer_id, group.round), {})
+        if peer.peer_id in verdict and verdict[peer.peer_id] != weight:
+            return f"claims weight {weight}, the verdict gives it {verdict[peer.peer_id]}"
+        table = self.sealed.get((reducer.peer_id, group.round))
+        if table is None:
+            return None
+        if peer.peer_id not in table:
+            return "sealed nothing"
+        sent = group.wires[peer.peer_id]
+        layout = sketch_layout([p.numel() for p in sent.parts])
+        for i, part in enumerate(sent.parts):
+            problem = sent_problem(table[peer.peer_id], i, sent.digests[16 * i : 16 * i + 16], part, layout)
+            if problem is not None:
+                return problem
+        return None
+
     def _close(self, group: _Group, min_group_size: int) -> None:
         """Under the lock: decide every member's outcome of this group's all-reduce."""
         members = sorted(group.members, key=lambda m: m[0].peer_id)
@@ -407,6 +439,19 @@ class MemorySwarm:
         for m in [m for m in members if m[0].peer_id in refused]:
             group.results[m[0].peer_id] = AveragingFailed("no_group", "left out by its groupmates")
             members.remove(m)
+        # As ExactAllReduceRunner's reducers: a sender whose weight is not the verdict's, or whose parts are
+        # not what it sealed and sketched, is left out, and every groupmate that received them bans it.
+        for m in list(members):
+            problems = {
+                other[0].peer_id: problem
+                for other in members
+                if other is not m and (problem := self._sent_problem(other[0], m, group)) is not None
+            }
+            if problems:
+                group.results[m[0].peer_id] = AveragingFailed("allreduce", f"misbehaved: {problems}")
+                members.remove(m)
+                for reducer in problems:
+                    self.banned_by.setdefault(reducer, set()).add(m[0].peer_id)
         ids = [m[0].peer_id for m in members]
         if len(members) < max(min_group_size, 2):
             for pid in ids:
@@ -430,6 +475,7 @@ class MemorySwarm:
             )
             for pid in ids:
                 group.results[pid] = result
+            self.averaged.append((group.round, list(ids)))
             dying = [m[0] for m in members if self.injector.take(m[0].name, Point.ALLREDUCE, group.round)]
             for victim in dying:
                 victim.kill()

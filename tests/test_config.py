@@ -166,9 +166,12 @@ def test_the_package_declares_what_it_imports_and_an_spdx_license():
     assert any(d.lower().startswith("pyyaml") for d in project["dependencies"]), "config.py imports yaml"
 
 
-def test_verification_refuses_dropout_and_more_than_three_replicas(tmp_path):
+def test_verification_refuses_dropout_error_feedback_and_more_than_three_replicas(tmp_path):
     text = "model:\n  dropout: 0.1\nverification:\n  replicas: 2\n"
     with pytest.raises(ConfigError, match=r"verification\.replicas 2 needs model\.dropout 0"):
+        load_config(write(tmp_path, text))
+    text = "averaging:\n  error_feedback: true\nverification:\n  replicas: 2\n"
+    with pytest.raises(ConfigError, match=r"verification\.replicas 2 needs averaging\.error_feedback false"):
         load_config(write(tmp_path, text))
     with pytest.raises(ConfigError, match=r"verification\.replicas: .*less than or equal to 3"):
         load_config(write(tmp_path, "verification:\n  replicas: 4\n"))

@@ -6,6 +6,8 @@ The pure parts (sketches, verdicts, assignment, reputation) are tested in test_v
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -73,6 +75,52 @@ def test_a_replica_that_commits_to_flipped_work_is_left_out_with_its_group(tmp_p
         assert reputation.banned == {x}
         banned_in = next(r for r, v in verdicts if v.left_out.get(x) == Why.BANNED)
         assert banned_in <= 2, verdicts
+    assert_swarm_contract(tmp_path, peers, ["a", "b", "c"])
+
+
+class CopiesItsPartnersSketch(FlipsItsWork):
+    """Seals (and sends) -10 times its work, and publishes its honest partner's sketch as its own."""
+
+    def _sketch(self, seed):
+        mates = [p for p in self._replicas if p != self.peer_id]
+        got = self._await_claims(mates, "sketch", self.round, time.monotonic() + 10)
+        copied = next((r.sketch for r in got.values() if r.sketch), None)
+        if copied is None:
+            return super()._sketch(seed)
+        return torch.frombuffer(bytearray(copied), dtype=torch.float32)
+
+
+class ClaimsTwiceItsWeight(Trainer):
+    """Honest work, honestly sealed; sends twice the weight its verdict gives it."""
+
+    def verify_round(self, group, stats):
+        out = super().verify_round(group, stats)
+        if stats.weight is not None:
+            stats.weight *= 2
+        return out
+
+
+@pytest.mark.parametrize("attack", ["send_other", "copy_sketch", "claim_weight"])
+def test_what_replicas_cannot_see_every_reducer_refuses(tmp_path, attack):
+    """Attacks on what a peer says or sends, not on its work: it sends -10 times what it sealed, or it seals
+    -10 times its work and copies its partner's sketch, or it claims more weight than the verdict gives it.
+    Its replica group agrees (the sketches it compares are honest), but every reducer checks each part
+    against its sender's seal and sketch, and each weight against the verdict: the peer's parts never make
+    an average, every honest groupmate bans it, and the honest peers end alike."""
+    swarm = MemorySwarm()
+    names = ["a", "b", "c", "x"]
+    cls = {"copy_sketch": CopiesItsPartnersSketch, "claim_weight": ClaimsTwiceItsWeight}.get(attack, Trainer)
+    if attack == "send_other":
+        swarm.injector.tamper["x"] = lambda delta: -10 * delta
+    peers = {n: PeerThread(swarm, n, cfg, cls if n == "x" else Trainer) for n, cfg in _configs(tmp_path, names).items()}
+    finish(peers)
+    x = swarm.peer_id("x")
+    counted = [r for r, v in peers["a"].trainer.verdicts if x in v.shares]
+    assert counted, "the replicas were not fooled: this test tests nothing"
+    assert swarm.averaged and all(x not in members for _, members in swarm.averaged), swarm.averaged
+    for name in ("a", "b", "c"):
+        assert x in swarm.banned_by.get(swarm.peer_id(name), set()), name
+        assert not peers[name].trainer.reputation.strikes
     assert_swarm_contract(tmp_path, peers, ["a", "b", "c"])
 
 

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hivemind.averaging.partition import TensorPartContainer
+from hivemind.compression import NoCompression
 
+from p2ptrain.compression import deserialize, make_codec, wire_parts
 from p2ptrain.records import ProgressRecord
 from p2ptrain.verify import (
     MAX_TOLERANCE,
@@ -27,10 +30,17 @@ from p2ptrain.verify import (
     parse_shard,
     referee_for,
     refereed,
+    Sealed,
+    part_digest,
+    part_sketch,
     sealed,
+    sealed_parts,
+    sent_problem,
     sketch,
+    sketch_layout,
     sketch_seed,
     tolerance,
+    wire,
 )
 from tests.test_records import rec
 
@@ -51,17 +61,37 @@ def nearby(tensors, relative: float, seed: int = 99) -> list[torch.Tensor]:
     return [t + scale * n for t, n in zip(tensors, noise)]
 
 
+INT8 = make_codec("int8")
+
+
 def report(peer: str, tensors, seed: int, numeric_class: str = "cpu/float32") -> Report:
-    return Report(peer, numeric_class, sketch(tensors, seed), float(flat(tensors).norm()))
+    """A replica's report on what it sends (the default wire: int8)."""
+    parts = wire(tensors, INT8).parts
+    return Report(peer, numeric_class, sketch(parts, seed), float(flat(parts).norm()))
 
 
-def test_a_commitment_changes_with_any_value_and_shape():
-    d = delta(0)
-    assert commitment(d) == commitment([t.clone() for t in d])
+def test_the_wire_is_hiveminds_cut_and_its_digests_change_with_any_byte_sent():
+    size = 2**16  # bytes on the wire per part (hivemind's default is 512 KiB)
+    codec = make_codec("int8", small_tensor_numel=64, part_size_bytes=size)
+    d = [*delta(0, size=300_000), torch.randn(40)]
+    # The cut is hivemind's, whatever the group: parts of 3 reducers, in order, are the wire's parts.
+    container = TensorPartContainer(d, [0.5, 0.2, 0.3], codec, size, return_deltas=False)
+    theirs = [part for parts in container._input_parts_by_peer for part, _ in parts]
+    ours = [part for part, _ in wire_parts(d, codec, size)]
+    assert len(ours) == len(theirs) > len(d) and all(torch.equal(a, b) for a, b in zip(ours, theirs))
+    w = wire(d, codec, size)
+    assert len(w.parts) == len(ours) and len(w.digests) == 16 * len(ours)
+    assert wire([t.clone() for t in d], codec, size).digests == w.digests  # the codec is deterministic
+    for i, (part, info) in enumerate(wire_parts(d, codec, size)):  # what a reducer receives and decodes
+        sent = codec.compress(part, info)
+        assert part_digest(sent) == w.digests[16 * i : 16 * i + 16]
+        assert torch.equal(deserialize(sent).reshape(-1), w.parts[i])
     changed = [t.clone() for t in d]
-    changed[0][123] += 1e-6
-    assert commitment(changed) != commitment(d)
-    assert commitment([d[0], d[1].reshape(3, 7)]) != commitment(d)
+    changed[0][123] += 1.0
+    digests = wire(changed, codec, size).digests
+    differ = [i for i in range(len(ours)) if digests[16 * i : 16 * i + 16] != w.digests[16 * i : 16 * i + 16]]
+    assert differ == [0]
+    assert commitment(w.digests) != commitment(digests)
 
 
 def test_the_seed_depends_on_every_commitment_and_not_on_their_order():
@@ -97,7 +127,7 @@ def test_a_sketch_is_linear_and_estimates_distance_within_a_few_percent():
 )
 def test_a_pair_of_replicas(other, numeric_class, outcome):
     d = delta(0)
-    seed = sketch_seed("run", 0, [commitment(d), commitment(other(d))])
+    seed = group_seed("run", 0, ["n1", "n2"])
     verdict = judge([report("a", d, seed), report("b", other(d), seed, numeric_class)])
     assert verdict.outcome == outcome, verdict.distances
 
@@ -221,9 +251,12 @@ def claim(
     peer: str, group: tuple[str, ...], work, *, shard: str = "0/2", nonce: str = "ab", cls="cpu/float32"
 ):
     """A peer's honest claim: sealed, revealed, sketched under its group's seed."""
-    digest = commitment(work)
+    w = wire(work, NoCompression())
+    digest = commitment(w.digests)
     seed = group_seed("r", 3, ["ab"] * len(group))
-    return Claim(peer, cls, shard, group, sealed(digest, nonce), digest, nonce, sketch(work, seed))
+    return Claim(
+        peer, cls, shard, group, sealed(digest, nonce), digest, nonce, sketch(w.parts, seed), parts=w.digests
+    )
 
 
 def verdict_of(claims, trusted=(), banned=()):
@@ -272,12 +305,20 @@ def test_a_reveal_that_does_not_open_its_seal_leaves_its_group_out():
     good = claim("a", ("a", "b"), work)
     bad = claim("b", ("a", "b"), work)
     reground = Claim(
-        bad.peer, bad.numeric_class, bad.shard, bad.replicas, bad.seal, bad.digest, "cd", bad.sketch
+        bad.peer, bad.numeric_class, bad.shard, bad.replicas, bad.seal, bad.digest, "cd", bad.sketch, bad.parts
     )
     v = verdict_of([good, reground])
     assert v.left_out == {"a": Why.UNREVEALED, "b": Why.UNREVEALED} and not v.shares
-    unsketched = Claim("b", "cpu/float32", "0/2", ("a", "b"), bad.seal, bad.digest, bad.nonce, None)
+    unsketched = Claim("b", "cpu/float32", "0/2", ("a", "b"), bad.seal, bad.digest, bad.nonce, None, bad.parts)
     assert verdict_of([good, unsketched]).left_out["a"] == Why.UNREVEALED
+    # Parts' digests that are not the sealed ones do not open the seal either, even for a trusted peer alone.
+    other_parts = wire([-t for t in work], NoCompression()).digests
+    swapped = Claim("b", "cpu/float32", "0/2", ("a", "b"), bad.seal, bad.digest, bad.nonce, bad.sketch, other_parts)
+    assert verdict_of([good, swapped]).left_out["b"] == Why.UNREVEALED
+    lone = claim("c", ("c",), work)
+    lone_swapped = Claim("c", lone.numeric_class, lone.shard, ("c",), lone.seal, lone.digest, lone.nonce, lone.sketch, other_parts)
+    assert verdict_of([lone], trusted={"c"}).shares == {"c": 1.0}
+    assert verdict_of([lone_swapped], trusted={"c"}).left_out == {"c": Why.UNREVEALED}
 
 
 def test_a_banned_peer_counts_for_nothing_and_takes_its_group_down():
@@ -362,3 +403,47 @@ def test_three_replicas_and_a_lone_peer_fit_a_record():
     group = list(plan.groups[0])
     record = rec("a", 1).copy(update={"replicas": group, "ref_group": group})
     assert ProgressRecord.parse_obj(record.wire()).replicas == list(plan.groups[0])
+
+
+def test_each_part_owns_buckets_in_proportion_to_its_size():
+    layout = sketch_layout([1000, 10, 5000, 1, 4000], 64)
+    assert [o for o, _ in layout] == [sum(c for _, c in layout[:i]) for i in range(5)]
+    assert sum(c for _, c in layout) == 64 and min(c for _, c in layout) == 1
+    assert layout[2][1] > layout[4][1] > layout[0][1] > layout[1][1]
+    with pytest.raises(ValueError, match="3 parts"):
+        sketch_layout([1, 1, 1], 2)
+
+
+def test_a_reducer_checks_a_part_alone_and_catches_other_bytes_and_a_copied_sketch():
+    codec = make_codec("int8", small_tensor_numel=64)
+    honest = wire([*delta(1, size=300_000), torch.randn(40)], codec)
+    layout = sketch_layout([p.numel() for p in honest.parts])
+    s = sketch(honest.parts, 11)
+    for i, part in enumerate(honest.parts):  # a part's buckets need that part only
+        offset, count = layout[i]
+        assert torch.equal(part_sketch(part, 11, i, count), s[offset : offset + count])
+    mine = Sealed(honest.digests, s.float().numpy().tobytes(), 11)
+    for i, part in enumerate(honest.parts):
+        digest = honest.digests[16 * i : 16 * i + 16]
+        assert sent_problem(mine, i, digest, part, layout) is None
+    # Bytes other than the sealed ones (the sender knew the seed by then: only the digest can tell).
+    flipped = wire([*[-10 * t for t in delta(1, size=300_000)], torch.randn(40)], codec)
+    assert sent_problem(mine, 0, flipped.digests[:16], flipped.parts[0], layout) == "part 0 is not the one it sealed"
+    # Sealed flipped bytes, but published its partner's (honest) sketch: each part's buckets tell.
+    copied = Sealed(flipped.digests, s.float().numpy().tobytes(), 11)
+    for i in range(len(flipped.parts)):
+        problem = sent_problem(copied, i, flipped.digests[16 * i : 16 * i + 16], flipped.parts[i], layout)
+        assert problem == f"its sketch is not of part {i} as sent" or i == len(flipped.parts) - 1  # same tail
+    # Without a sketch (a trusted peer whose partner vanished), the digests are still checked.
+    assert sent_problem(Sealed(honest.digests), 0, honest.digests[:16], honest.parts[0], layout) is None
+
+
+def test_reducers_learn_each_counted_peers_seal_and_its_groups_seed():
+    work = delta(1)
+    claims = [claim("a", ("a", "b"), work), claim("b", ("a", "b"), work), claim("c", ("c",), work, nonce="ab")]
+    v = verdict_of(claims, trusted={"c"})
+    table = sealed_parts(v, claims, run_id="r", round=3)
+    assert set(table) == {"a", "b", "c"}
+    assert table["a"].seed == group_seed("r", 3, ["ab", "ab"]) and table["a"].digests == claims[0].parts
+    assert table["c"].seed == group_seed("r", 3, ["ab"])
+    assert table["a"].sketch == claims[0].sketch.float().numpy().tobytes()

@@ -19,6 +19,7 @@ from p2ptrain.config import AveragingConfig, SwarmConfig
 from p2ptrain.diloco import AveragingFailed, Snapshot
 from p2ptrain.swarm import Swarm
 from p2ptrain.transfer import check_state, donation
+from p2ptrain.verify import Sealed, sketch, wire
 
 pytestmark = pytest.mark.integration
 
@@ -329,24 +330,47 @@ def test_a_groupmate_sending_ten_times_its_flipped_pseudo_gradient_is_left_out(s
         assert all(r.outliers == {} for r in results)
 
 
-def test_reducers_count_each_groupmate_with_the_verdicts_weight_and_refuse_whom_it_left_out(swarm_of):
-    """A verifiable round's verdict, handed to each averager: every reducer counts every part, its own
-    included, with the verdict's weight, never the claimed one (the third peer claims 5 where the verdict
-    gives it 1), and a fourth peer the verdict left out finds no group. (A hostile reducer can still answer
-    its own slice with anything: robust aggregation's and verification's known limit.)"""
-    averagers = swarm_of(4, compression="none", aggregator="mean", target_group_size=4)
+@pytest.mark.parametrize("attack", [None, "claims_weight", "sends_other", "copies_sketch"])
+def test_reducers_check_each_part_against_its_senders_seal_and_each_weight_against_the_verdict(
+    swarm_of, attack
+):
+    """A verifiable round's verdict and seals, handed to each averager (as the trainer does): honest parts,
+    sealed and sketched by verify.wire with the run's codec, pass every real reducer's check byte for byte;
+    a groupmate that claims another weight than the verdict's, sends other bytes than it sealed, or
+    published a sketch that is not of its bytes is refused by every reducer, and the round is averaged
+    without it. A fourth peer the verdict left out finds no group. (A hostile reducer can still answer its
+    own slice with anything: robust aggregation's and verification's known limit.)"""
+    # Five parts of hivemind's 512 KiB (int8): every member reduces one at least, so each sees the attacker.
+    shapes = [torch.Size([2_100_000]), torch.Size([7, 3])]
+    averagers = swarm_of(4, compression="int8", aggregator="mean", retries=1, shapes=shapes)
     ids = [a.peer_id for a in averagers]
-    xs, claimed = inputs(4), [1.0, 1.0, 5.0, 1.0]
-    verdict = {ids[0]: 1.0, ids[1]: 1.0, ids[2]: 1.0}
+    codec = make_codec("int8")
+    torch.manual_seed(0)
+    xs = [[torch.randn(s) for s in shapes] for _ in range(4)]
+    wires = [wire(x, codec) for x in xs]
+    sketches = [sketch(w.parts, 5).float() for w in wires]
+    if attack == "copies_sketch":
+        sketches[2] = sketches[0]
+    sealed = {ids[i]: Sealed(wires[i].digests, sketches[i].numpy().tobytes(), 5) for i in range(3)}
+    verdict = {ids[0]: 1.0, ids[1]: 2.0, ids[2]: 1.0}
     for a in averagers[:3]:
-        a.leave_out([ids[3]], 4, verdict)
+        a.leave_out([ids[3]], 4, verdict, sealed)
+    sent, claimed = list(xs), [1.0, 2.0, 1.0, 1.0]
+    if attack == "claims_weight":
+        claimed[2] = 2.0
+    if attack == "sends_other":
+        sent[2] = [-10 * t for t in xs[2]]
     results = run_parallel(
-        [lambda a=a, x=x, w=w: a.average(x, weight=w, round=4) for a, x, w in zip(averagers, xs, claimed)]
+        [lambda a=a, x=x, w=w: a.average(x, weight=w, round=4) for a, x, w in zip(averagers, sent, claimed)]
     )
-    expected = [sum(x[k] for x in xs[:3]) / 3 for k in range(len(SHAPES))]
-    for r in results[:3]:
+    honest = 3 if attack is None else 2
+    for r in results[:honest]:
         assert not isinstance(r, Exception), r
-        assert sorted(r.peers) == sorted(ids[:3])
-        for k in range(len(SHAPES)):
-            assert torch.allclose(r.tensors[k], expected[k], atol=1e-5), "a claimed weight was used"
+        assert sorted(r.peers) == sorted(ids[:honest])
+        for k in range(len(shapes)):
+            assert torch.equal(r.tensors[k], results[0].tensors[k])
+    weights = list(verdict.values())[:honest]
+    for k in range(len(shapes)):
+        expected = sum(w * x[k] for w, x in zip(weights, xs)) / sum(weights)
+        torch.testing.assert_close(results[0].tensors[k], expected, atol=0.05, rtol=0)  # int8 on the wire
     assert isinstance(results[3], Exception) or ids[3] not in results[0].peers
