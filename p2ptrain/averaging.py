@@ -474,6 +474,31 @@ class LeftOut:
         return round <= self._until.get(peer, -1)
 
 
+class _WholeMessages:
+    """The averager child's end of its pipe, read one whole message at a time.
+
+    hivemind's loop watches the pipe with ``add_reader``, which makes it non-blocking, and reads a message
+    once ``poll()`` says one has begun. multiprocessing writes a message over 16 KiB in two writes (its
+    header, then its body): read between the two, it raises BlockingIOError with part of the message
+    consumed, and every later read is garbage (the child's loop dies on it). A verdict's seals for a few
+    peers are that large; reading in blocking mode waits for the rest of a message that has begun.
+    """
+
+    def __init__(self, connection):
+        self._connection = connection
+
+    def recv(self):
+        fd = self._connection.fileno()
+        os.set_blocking(fd, True)
+        try:
+            return self._connection.recv()
+        finally:
+            os.set_blocking(fd, False)
+
+    def __getattr__(self, name: str):
+        return getattr(self._connection, name)
+
+
 class ExactAverager(ParentWatchdog, DecentralizedAverager):
     """hivemind's DecentralizedAverager with exact all-reduce, byte counts, chosen donors, a watchdog, and
     a door: only members of the run may call it.
@@ -602,6 +627,7 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
         unbind("round")  # inherited at fork time; this process does not follow the trainer's rounds
         # Forked before the trainer bound it: say whose lines these are.
         bind(peer_id=self.peer_id.to_base58()[-8:])
+        self._inner_pipe = _WholeMessages(self._inner_pipe)
         super().run()
 
     def get_current_state(self):

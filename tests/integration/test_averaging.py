@@ -352,6 +352,8 @@ def test_reducers_check_each_part_against_its_senders_seal_and_each_weight_again
     if attack == "copies_sketch":
         sketches[2] = sketches[0]
     sealed = {ids[i]: Sealed(wires[i].digests, sketches[i].numpy().tobytes(), 5) for i in range(3)}
+    # Seals of a large swarm (and of a large model: 1024 parts) make a message far beyond one pipe write.
+    sealed.update({f"peer{i}": Sealed(bytes(16 * 1024), bytes(4096), i) for i in range(16)})
     verdict = {ids[0]: 1.0, ids[1]: 2.0, ids[2]: 1.0}
     for a in averagers[:3]:
         a.leave_out([ids[3]], 4, verdict, sealed)
