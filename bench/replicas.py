@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 from bench.report import DOC, merge_results, replace_block
+from p2ptrain.compression import codec_for
 from p2ptrain.config import load_config
 from p2ptrain.data import Corpus, load_corpus
 from p2ptrain.diloco import DiLoCo
@@ -58,7 +59,6 @@ from p2ptrain.verify import (
     tolerance,
     wire,
 )
-from p2ptrain.compression import codec_for
 
 ROOT = Path(__file__).resolve().parent.parent
 FP32, BF16 = "cpu/float32", "cpu/bfloat16"
@@ -147,7 +147,11 @@ def run(rounds: int, seeds: int, shards: int, grace: int, honest_seeds: int | No
     codec = codec_for(cfg.averaging)
 
     def compare(
-        name: str, a: tuple[str, list[torch.Tensor]], b: tuple[str, list[torch.Tensor]], r: int, n: int = seeds
+        name: str,
+        a: tuple[str, list[torch.Tensor]],
+        b: tuple[str, list[torch.Tensor]],
+        r: int,
+        n: int = seeds,
     ):
         # As a verifiable round compares them: what each would send (the run's codec), sealed, then sketched.
         wa, wb = wire(a[1], codec), wire(b[1], codec)
@@ -192,7 +196,9 @@ def run(rounds: int, seeds: int, shards: int, grace: int, honest_seeds: int | No
         # Two colluders with the same wrong pseudo-gradient and one honest replica: the group dissents; a
         # referee (another honest recomputation) convicts both colluders and not the honest peer.
         right, wrong = wire(reference, codec), wire(attacks["wrong_shard"], codec)
-        seed = sketch_seed("bench-colluders", r, [commitment(right.digests)] + [commitment(wrong.digests)] * 2)
+        seed = sketch_seed(
+            "bench-colluders", r, [commitment(right.digests)] + [commitment(wrong.digests)] * 2
+        )
         group = [
             Report("honest", FP32, sketch(right.parts, seed), 0.0),
             Report("x", FP32, sketch(wrong.parts, seed), 0.0),
@@ -320,7 +326,8 @@ def main(argv: list[str] | None = None) -> None:
     rows.append(
         f"{args.rounds} rounds of configs/default.yaml along the swarm's trajectory, each pseudo-gradient "
         f"compared as it goes on the wire ({result['wire']}), {args.seeds} sketches per "
-        f"attacker pair and {args.honest_seeds} per honest pair; each attacker is compared with each of the 3 honest replicas (fp32 on 1 and 2 threads, bf16), "
+        f"attacker pair and {args.honest_seeds} per honest pair; each attacker is compared with each of the 3 "
+        "honest replicas (fp32 on 1 and 2 threads, bf16), "
         "and honest lines count false positives. Static: verify.py's default tolerances (0.02 within a "
         "numeric class, 0.15 across). Calibrated: per class pair, "
         f"{CALIBRATION_MARGIN} × the largest distance of the pairs that agreed in the last {WINDOW} rounds "

@@ -135,13 +135,13 @@ def _view(events: list[dict], bad: set[str]) -> dict[str, Any]:
     counted_peers: dict[int, int] = {}
     for e in events:
         event = e.get("event", "")
-        if event == "left a groupmate out" and e.get("fault") == "misbehaved":
-            if str(e.get("peer", ""))[-8:] in bad and refused is None:
-                refused = int(e["round"])
-        if event == "outer step" and int(e.get("round", -1)) in counted_peers:
-            # Every peer the verdict counted made the average: the hostile one's parts were in it.
-            if int(e.get("group_size", 0)) == counted_peers[int(e["round"])]:
-                averaged.append(int(e["round"]))
+        misbehaved = event == "left a groupmate out" and e.get("fault") == "misbehaved"
+        if misbehaved and str(e.get("peer", ""))[-8:] in bad and refused is None:
+            refused = int(e["round"])
+        r = int(e.get("round", -1))
+        # Every peer the verdict counted made the average: the hostile one's parts were in it.
+        if event == "outer step" and r in counted_peers and int(e.get("group_size", 0)) == counted_peers[r]:
+            averaged.append(r)
         if event == "verified the round":
             r = int(e["round"])
             groups = [*e.get("agreed", []), *e.get("dissent", [])]
@@ -265,7 +265,8 @@ def table(runs: dict[str, dict], cfg, config_name: str) -> list[str]:
         attack = name.split("/", 1)[1]
         rows.append(
             f"| {WHAT.get(attack, attack)} | {_rounds(r['attacked_rounds'])} | {_rounds(r['hostile_counted_in'])} "
-            f"| {_rounds(r.get('hostile_averaged_in', []))} | {_or_dash(r['detected_in_round'])} | {_or_dash(r['banned_in_round'])} "
+            f"| {_rounds(r.get('hostile_averaged_in', []))} | {_or_dash(r['detected_in_round'])} "
+            f"| {_or_dash(r['banned_in_round'])} "
             f"| {r['honest_struck'] or 'none'} | {loss(r)} |"
         )
     rows.append("")

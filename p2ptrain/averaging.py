@@ -382,6 +382,8 @@ class _Outcome:
     dropped: list[str] = field(default_factory=list)
     """Senders our reducer dropped (they stalled, or sent nothing we could use): not in this average."""
     outliers: dict[str, int] = field(default_factory=dict)
+    refused: list[str] = field(default_factory=list)
+    """Every peer left out for good so far (LeftOut), as of this all-reduce."""
     """Groupmates whose parts our reducer's aggregate left out, and how many parts."""
 
 
@@ -472,6 +474,10 @@ class LeftOut:
 
     def excludes(self, peer: str, round: float) -> bool:
         return round <= self._until.get(peer, -1)
+
+    def for_good(self) -> list[str]:
+        """The peers left out for the rest of the run."""
+        return sorted(p for p, until in self._until.items() if until == math.inf)
 
 
 class _WholeMessages:
@@ -672,7 +678,11 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
         each of them sealed about the parts it sends (reducers refuse any other part)."""
         future = MPFuture()
         kwargs = dict(
-            peers=list(peers), round=round, weights=dict(weights or {}), sealed=dict(sealed or {}), future=future
+            peers=list(peers),
+            round=round,
+            weights=dict(weights or {}),
+            sealed=dict(sealed or {}),
+            future=future,
         )
         self._outer_pipe.send(("_leave_out", [], kwargs))
         future.result(timeout=_PIPE_TIMEOUT_S)
@@ -731,6 +741,7 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
             gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
         finally:
             self._groupmates.pop(group_info.group_id, None)
+        self._last_allreduce.refused = self._left_out.for_good()
         return {"gathered": gathered, "outcome": self._last_allreduce}
 
     async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs):
@@ -942,6 +953,7 @@ class SwarmAverager:
                 bytes_received=outcome.bytes_received,
                 peers=contributors,
                 outliers=outcome.outliers,
+                refused=list(outcome.refused),
             )
         reason = (
             "no_group"

@@ -45,6 +45,9 @@ class AverageResult:
     outliers: dict[str, int] = field(default_factory=dict)
     """Groupmates whose parts of the pseudo-gradient this peer's reducer left out of the aggregate (robust
     aggregation), and how many parts: each reducer sees only its own slice."""
+    refused: list[str] = field(default_factory=list)
+    """Every peer this peer's averager has left out for good so far (it misbehaved towards our reducer, or
+    was banned)."""
 
 
 class Averager(Protocol):
@@ -76,6 +79,8 @@ class OuterStepReport:
     """The group's peer ids, when it averaged with one."""
     outliers: dict[str, int] = field(default_factory=dict)
     """Groupmates whose parts our reducer left out of the aggregate (``AverageResult.outliers``)."""
+    refused: list[str] = field(default_factory=list)
+    """``AverageResult.refused``."""
 
 
 @dataclass
@@ -208,6 +213,7 @@ class DiLoCo:
             bytes_received=result.bytes_received,
             peers=list(result.peers),
             outliers=dict(result.outliers),
+            refused=list(result.refused),
         )
 
     def check_average(self, tensors: Sequence[torch.Tensor]) -> str | None:

@@ -146,6 +146,8 @@ class Trainer:
         self._referee_jobs: list[tuple[verify.Dispute, list[torch.Tensor]]] = []
         self._my_referee_report: tuple[int, tuple[str, ...], torch.Tensor] | None = None
         self._digest = self._nonce = ""
+        self.refused: set[str] = set()
+        """Peers our averager left out for good (``AverageResult.refused``): ignored like banned ones."""
         self._wire: verify.Wire | None = None
         """Our pseudo-gradient as the all-reduce will send it: what we seal, sketch and send."""
 
@@ -804,6 +806,14 @@ class Trainer:
             )
         stats.sync_s = time.monotonic() - t0
         self._reputation_at_step = self.reputation.to_dict()
+        new = set(report.refused) - self.refused - self.reputation.banned
+        if new:
+            # Our reducer caught them (a part they had not sealed, say): we neither wait for them nor read their
+            # records from now on, as for a banned peer. Every reducer they cheated does the same.
+            self.log.warning(
+                "left peers out for good: they misbehaved in an all-reduce", peers=sorted(p[-8:] for p in new)
+            )
+            self.refused |= new
         if report.applied:
             self.rounds_applied.append(round_)
             self.last_group_size = report.group_size
@@ -1153,7 +1163,7 @@ class Trainer:
         return {
             pid: r
             for pid, r in records.items()
-            if pid != self.peer_id and r.round <= last and pid not in banned
+            if pid != self.peer_id and r.round <= last and pid not in banned and pid not in self.refused
         }
 
     def _visible(self) -> dict[str, ProgressRecord]:

@@ -161,7 +161,9 @@ def sent_problem(
     if sealed.seed is None or not sealed.sketch or index >= len(layout):
         return None
     offset, count = layout[index]
-    published = torch.frombuffer(bytearray(sealed.sketch[4 * offset : 4 * (offset + count)]), dtype=torch.float32)
+    published = torch.frombuffer(
+        bytearray(sealed.sketch[4 * offset : 4 * (offset + count)]), dtype=torch.float32
+    )
     if published.numel() != count:
         return f"its sketch has no buckets for part {index}"
     mine = part_sketch(part, sealed.seed, index, count).float()

@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -473,8 +473,8 @@ class MemorySwarm:
             result = AverageResult(
                 tensors=[roundtrip(codec, a) for a in average], group_size=len(members), peers=ids
             )
-            for pid in ids:
-                group.results[pid] = result
+            for pid in ids:  # each with whom its own averager left out for good, as ExactAverager's LeftOut
+                group.results[pid] = replace(result, refused=sorted(self.banned_by.get(pid, ())))
             self.averaged.append((group.round, list(ids)))
             dying = [m[0] for m in members if self.injector.take(m[0].name, Point.ALLREDUCE, group.round)]
             for victim in dying:

@@ -112,7 +112,10 @@ def test_what_replicas_cannot_see_every_reducer_refuses(tmp_path, attack):
     cls = {"copy_sketch": CopiesItsPartnersSketch, "claim_weight": ClaimsTwiceItsWeight}.get(attack, Trainer)
     if attack == "send_other":
         swarm.injector.tamper["x"] = lambda delta: -10 * delta
-    peers = {n: PeerThread(swarm, n, cfg, cls if n == "x" else Trainer) for n, cfg in _configs(tmp_path, names).items()}
+    peers = {
+        n: PeerThread(swarm, n, cfg, cls if n == "x" else Trainer)
+        for n, cfg in _configs(tmp_path, names).items()
+    }
     finish(peers)
     x = swarm.peer_id("x")
     counted = [r for r, v in peers["a"].trainer.verdicts if x in v.shares]
@@ -120,6 +123,7 @@ def test_what_replicas_cannot_see_every_reducer_refuses(tmp_path, attack):
     assert swarm.averaged and all(x not in members for _, members in swarm.averaged), swarm.averaged
     for name in ("a", "b", "c"):
         assert x in swarm.banned_by.get(swarm.peer_id(name), set()), name
+        assert x in peers[name].trainer.refused, name  # nor waited for, nor read, from then on
         assert not peers[name].trainer.reputation.strikes
     assert_swarm_contract(tmp_path, peers, ["a", "b", "c"])
 

@@ -17,6 +17,7 @@ from p2ptrain.verify import (
     Outcome,
     Report,
     Reputation,
+    Sealed,
     Why,
     assign,
     assignment_seed,
@@ -28,11 +29,10 @@ from p2ptrain.verify import (
     judge,
     judge_round,
     parse_shard,
-    referee_for,
-    refereed,
-    Sealed,
     part_digest,
     part_sketch,
+    referee_for,
+    refereed,
     sealed,
     sealed_parts,
     sent_problem,
@@ -305,18 +305,40 @@ def test_a_reveal_that_does_not_open_its_seal_leaves_its_group_out():
     good = claim("a", ("a", "b"), work)
     bad = claim("b", ("a", "b"), work)
     reground = Claim(
-        bad.peer, bad.numeric_class, bad.shard, bad.replicas, bad.seal, bad.digest, "cd", bad.sketch, bad.parts
+        bad.peer,
+        bad.numeric_class,
+        bad.shard,
+        bad.replicas,
+        bad.seal,
+        bad.digest,
+        "cd",
+        bad.sketch,
+        bad.parts,
     )
     v = verdict_of([good, reground])
     assert v.left_out == {"a": Why.UNREVEALED, "b": Why.UNREVEALED} and not v.shares
-    unsketched = Claim("b", "cpu/float32", "0/2", ("a", "b"), bad.seal, bad.digest, bad.nonce, None, bad.parts)
+    unsketched = Claim(
+        "b", "cpu/float32", "0/2", ("a", "b"), bad.seal, bad.digest, bad.nonce, None, bad.parts
+    )
     assert verdict_of([good, unsketched]).left_out["a"] == Why.UNREVEALED
     # Parts' digests that are not the sealed ones do not open the seal either, even for a trusted peer alone.
     other_parts = wire([-t for t in work], NoCompression()).digests
-    swapped = Claim("b", "cpu/float32", "0/2", ("a", "b"), bad.seal, bad.digest, bad.nonce, bad.sketch, other_parts)
+    swapped = Claim(
+        "b", "cpu/float32", "0/2", ("a", "b"), bad.seal, bad.digest, bad.nonce, bad.sketch, other_parts
+    )
     assert verdict_of([good, swapped]).left_out["b"] == Why.UNREVEALED
     lone = claim("c", ("c",), work)
-    lone_swapped = Claim("c", lone.numeric_class, lone.shard, ("c",), lone.seal, lone.digest, lone.nonce, lone.sketch, other_parts)
+    lone_swapped = Claim(
+        "c",
+        lone.numeric_class,
+        lone.shard,
+        ("c",),
+        lone.seal,
+        lone.digest,
+        lone.nonce,
+        lone.sketch,
+        other_parts,
+    )
     assert verdict_of([lone], trusted={"c"}).shares == {"c": 1.0}
     assert verdict_of([lone_swapped], trusted={"c"}).left_out == {"c": Why.UNREVEALED}
 
@@ -428,7 +450,10 @@ def test_a_reducer_checks_a_part_alone_and_catches_other_bytes_and_a_copied_sket
         assert sent_problem(mine, i, digest, part, layout) is None
     # Bytes other than the sealed ones (the sender knew the seed by then: only the digest can tell).
     flipped = wire([*[-10 * t for t in delta(1, size=300_000)], torch.randn(40)], codec)
-    assert sent_problem(mine, 0, flipped.digests[:16], flipped.parts[0], layout) == "part 0 is not the one it sealed"
+    assert (
+        sent_problem(mine, 0, flipped.digests[:16], flipped.parts[0], layout)
+        == "part 0 is not the one it sealed"
+    )
     # Sealed flipped bytes, but published its partner's (honest) sketch: each part's buckets tell.
     copied = Sealed(flipped.digests, s.float().numpy().tobytes(), 11)
     for i in range(len(flipped.parts)):
@@ -440,7 +465,11 @@ def test_a_reducer_checks_a_part_alone_and_catches_other_bytes_and_a_copied_sket
 
 def test_reducers_learn_each_counted_peers_seal_and_its_groups_seed():
     work = delta(1)
-    claims = [claim("a", ("a", "b"), work), claim("b", ("a", "b"), work), claim("c", ("c",), work, nonce="ab")]
+    claims = [
+        claim("a", ("a", "b"), work),
+        claim("b", ("a", "b"), work),
+        claim("c", ("c",), work, nonce="ab"),
+    ]
     v = verdict_of(claims, trusted={"c"})
     table = sealed_parts(v, claims, run_id="r", round=3)
     assert set(table) == {"a", "b", "c"}
