@@ -21,9 +21,12 @@ docs/benchmarks.md.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import platform
+import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -190,33 +193,47 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--config", type=Path, default=ROOT / "configs" / "default.yaml")
     parser.add_argument("--attacks", default=",".join(ATTACKS), help="comma-separated, or empty")
     parser.add_argument("--quick", action="store_true", help="configs/tiny.yaml, the first attack only")
+    parser.add_argument(
+        "--only",
+        default="",
+        help="comma-separated runs to measure again (honest/k2, attack/send_other...), the others kept from "
+        "bench/results/verification.json; each run records the commit it was measured at",
+    )
     args = parser.parse_args(argv)
+    only = {r for r in args.only.split(",") if r}
     config = (ROOT / "configs" / "tiny.yaml" if args.quick else args.config).resolve()
     attacks = [a for a in args.attacks.split(",") if a][: 1 if args.quick else None]
     logs = ROOT / "runs" / "bench-verification"
     runs: dict[str, dict] = {}
+    if only:
+        runs = json.loads((ROOT / "bench" / "results" / "verification.json").read_text())["real_peers"][
+            "runs"
+        ]
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
 
-    def record(name: str, result: dict) -> None:
-        runs[name] = result
+    def record(name: str, run: Callable[[], dict]) -> None:
+        if only and name not in only:
+            return
+        runs[name] = result = {**run(), "commit": commit.stdout.strip()}
         print(
             json.dumps({"run": name, **{k: v for k, v in result.items() if k != "honest_pairs"}}), flush=True
         )
 
-    record("honest/k1", swarm(config, logs / "honest-k1", replicas=1))
-    record("honest/k2", swarm(config, logs / "honest-k2", replicas=2))
+    record("honest/k1", lambda: swarm(config, logs / "honest-k1", replicas=1))
+    record("honest/k2", lambda: swarm(config, logs / "honest-k2", replicas=2))
     if not args.quick:  # what the swarm can do once a hostile peer is out: three honest peers
-        record("honest/k2_3peers", swarm(config, logs / "honest-k2-3", replicas=2, peers=PEERS - 1))
+        record("honest/k2_3peers", lambda: swarm(config, logs / "honest-k2-3", replicas=2, peers=PEERS - 1))
     for attack in attacks:
-        if attack == "colluder":
-            result = swarm(config, logs / attack, replicas=2, peers=PEERS + 1, hostile={3: attack, 4: attack})
-        else:
-            result = swarm(config, logs / attack, replicas=2, hostile={PEERS - 1: attack})
-        record(f"attack/{attack}", result)
+        colluders = attack == "colluder"
+        hostile = {3: attack, 4: attack} if colluders else {PEERS - 1: attack}
+        peers = PEERS + 1 if colluders else PEERS
+        run = functools.partial(swarm, config, logs / attack, replicas=2, peers=peers, hostile=hostile)
+        record(f"attack/{attack}", run)
     if not args.quick:
         mixed = {1: ["device.num_threads=2"], 3: ["device.dtype=bfloat16"]}
-        record("honest/threads_and_bf16", swarm(config, logs / "mixed", replicas=2, peer_sets=mixed))
+        record("honest/threads_and_bf16", lambda: swarm(config, logs / "mixed", replicas=2, peer_sets=mixed))
         trusted = ["verification.rounds_to_trust=3", "verification.audit_fraction=0.1"]
-        record("honest/trusted", swarm(config, logs / "trusted", replicas=2, sets=trusted))
+        record("honest/trusted", lambda: swarm(config, logs / "trusted", replicas=2, sets=trusted))
 
     cfg = load_config(config)
     result = {
