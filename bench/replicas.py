@@ -41,7 +41,7 @@ from p2ptrain.config import load_config
 from p2ptrain.data import Corpus, load_corpus
 from p2ptrain.diloco import DiLoCo
 from p2ptrain.evaluation import evaluate
-from p2ptrain.inner import inner_lr, inner_step, make_optimizer
+from p2ptrain.inner import inner_lr, inner_step, make_optimizer, round_warmup
 from p2ptrain.models import build_model
 from p2ptrain.verify import (
     CALIBRATION_MARGIN,
@@ -99,6 +99,7 @@ class Replayer:
                 x, y = poison(x), poison(y)
             # The lr of a verifiable round: a function of (round, step) only.
             lr = inner_lr(cfg, round * cfg.num_inner_steps + step)
+            lr *= round_warmup(step, self.cfg.verification.round_warmup_steps)
             inner_step(
                 self.model, self.params, optimizer, x, y, lr=lr, grad_clip=cfg.grad_clip, autocast_dtype=dtype
             )

@@ -40,7 +40,18 @@ class _Group:
         return AverageResult(tensors=[t.clone() for t in self.result], group_size=len(self.pending))
 
 
-def simulate(cfg, peers: int, attack: str | None = None) -> dict:
+def simulate(
+    cfg,
+    peers: int,
+    attack: str | None = None,
+    *,
+    fresh_inner: bool = False,
+    replicas: int = 1,
+    round_warmup: int = 0,
+) -> dict:
+    """``fresh_inner``: a fresh AdamW every round, the lr a function of (round, step), as in a verifiable
+    round; ``replicas``: peers in groups of that many train the same shard (each group counts once);
+    ``round_warmup``: the lr ramps up over each round's first steps (with ``fresh_inner``)."""
     corpus = Corpus.from_bytes(load_corpus(cfg.data), cfg.model.context_length, cfg.data.val_fraction)
     models = [build_model(cfg.model.name, cfg.model.context_length, seed=cfg.run.seed) for _ in range(peers)]
     outer = [
@@ -50,14 +61,19 @@ def simulate(cfg, peers: int, attack: str | None = None) -> dict:
     aggregate = aggregator(cfg.averaging)
     steps = 0
     curve = []
+    shards = max(1, peers // replicas)
     for r in range(cfg.outer.num_rounds):
         for i in range(peers):
+            if fresh_inner:
+                inner[i] = make_optimizer(outer[i].model_params, cfg.inner)
             batches = corpus.batches(
-                corpus.shard(seed=cfg.run.seed, round=r, rank=i, world=peers), cfg.inner.batch_size
+                corpus.shard(seed=cfg.run.seed, round=r, rank=i % shards, world=shards), cfg.inner.batch_size
             )
             for s in range(cfg.inner.num_inner_steps):
                 x, y = next(batches)
                 lr = inner_lr(cfg.inner, steps + s)
+                if round_warmup:
+                    lr *= min(1.0, (s + 1) / round_warmup)
                 inner_step(
                     models[i], outer[i].model_params, inner[i], x, y, lr=lr, grad_clip=cfg.inner.grad_clip
                 )
@@ -82,12 +98,25 @@ def main() -> None:
     ap.add_argument("--config", type=Path, default=None)
     ap.add_argument("--set", action="append", default=[], dest="sets")
     ap.add_argument("--attack", choices=sorted(ATTACKS), default=None)
+    ap.add_argument(
+        "--fresh-inner", action="store_true", help="a fresh AdamW every round (verifiable rounds)"
+    )
+    ap.add_argument("--replicas", type=int, default=1, help="peers per shard (each shard counts once)")
+    ap.add_argument("--round-warmup", type=int, default=0, help="lr warmup steps at the start of every round")
     args = ap.parse_args()
     cfg = load_config(args.config, parse_set(args.sets))
     t0 = time.monotonic()
-    result = simulate(cfg, args.peers, args.attack)
+    result = simulate(
+        cfg,
+        args.peers,
+        args.attack,
+        fresh_inner=args.fresh_inner,
+        replicas=args.replicas,
+        round_warmup=args.round_warmup,
+    )
     result["wall_s"] = round(time.monotonic() - t0, 1)
     result["sets"] = args.sets
+    result.update(fresh_inner=args.fresh_inner, replicas=args.replicas, round_warmup=args.round_warmup)
     print(json.dumps(result))
 
 

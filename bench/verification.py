@@ -3,7 +3,9 @@ hostile (``bench/cheat.py``), on 127.0.0.1 with a swarm key.
 
 Runs, one after another (never two at once: they share the machine's cores):
 
-* the all-honest swarm at k = 1 (robust aggregation only) and at k = 2, 4 peers each;
+* the all-honest swarm at k = 1 (robust aggregation only) and at k = 2, 4 peers each; at k = 1 with a fresh
+  AdamW every round (``bench/fresh_inner.py``: what verifiable rounds' optimizer costs, apart from
+  replicated shards); and 3 honest peers at k = 2 (a swarm without the attacker's compute);
 * every attack of ``bench/cheat.py`` at k = 2, 1 hostile peer of 4 (the colluders: 2 of 5);
 * honest replicas that differ in thread count and in dtype (fp32 on 1 and 2 threads, bf16), at k = 2;
 * the overhead once every peer is trusted: 4 honest peers, ``verification.rounds_to_trust`` 3.
@@ -66,8 +68,10 @@ def swarm(
     peers: int = PEERS,
     sets: list[str] = (),  # type: ignore[assignment]
     peer_sets: dict[int, list[str]] | None = None,
+    module: str = "p2ptrain",
 ) -> dict[str, Any]:
-    """Run one swarm to its end; what the honest peers' logs and final models show."""
+    """Run one swarm to its end; what the honest peers' logs and final models show. ``module``: what every
+    honest peer runs (bench.fresh_inner: a fresh AdamW every round)."""
     hostile, peer_sets = hostile or {}, peer_sets or {}
     base, _ = closed_swarm_join(
         workdir,
@@ -82,7 +86,7 @@ def swarm(
         ],
     )
     t0 = time.monotonic()
-    cheats = {i: ("bench.cheat", [attack]) for i, attack in hostile.items()}
+    cheats = {i: ("bench.cheat", [hostile[i]]) if i in hostile else (module, []) for i in range(peers)}
     extra = {i: [a for item in items for a in ("--set", item)] for i, items in peer_sets.items()}
     procs, codes = run_swarm(base, workdir, peers, hostile=cheats, extra=extra, timeout_s=2400)
     wall_s = time.monotonic() - t0
@@ -221,6 +225,11 @@ def main(argv: list[str] | None = None) -> None:
 
     record("honest/k1", lambda: swarm(config, logs / "honest-k1", replicas=1))
     record("honest/k2", lambda: swarm(config, logs / "honest-k2", replicas=2))
+    if not args.quick:  # what a fresh AdamW every round costs, apart from replicated shards
+        fresh = functools.partial(
+            swarm, config, logs / "honest-k1-fresh", replicas=1, module="bench.fresh_inner"
+        )
+        record("honest/k1_fresh_adamw", fresh)
     if not args.quick:  # what the swarm can do once a hostile peer is out: three honest peers
         record("honest/k2_3peers", lambda: swarm(config, logs / "honest-k2-3", replicas=2, peers=PEERS - 1))
     for attack in attacks:
@@ -270,11 +279,14 @@ def table(runs: dict[str, dict], cfg, config_name: str) -> list[str]:
         "| detected in round | banned in round | honest peers struck | val loss (vs honest k = 2) |",
         "| --- | --- | --- | --- | ---: | ---: | --- | ---: |",
     ]
-    for name in ("honest/k1", "honest/k2", "honest/k2_3peers"):
+    for name in ("honest/k1", "honest/k1_fresh_adamw", "honest/k2", "honest/k2_3peers"):
         if name not in runs:
             continue
         r = runs[name]
-        who = "none, 3 honest peers only" if name.endswith("3peers") else "none"
+        who = {
+            "honest/k2_3peers": "none, 3 honest peers only",
+            "honest/k1_fresh_adamw": "none, a fresh AdamW every round",
+        }.get(name, "none")
         rows.append(f"| {who}, k = {r['replicas']} | | | | | | {r['honest_struck'] or 'none'} | {loss(r)} |")
     for name, r in runs.items():
         if not name.startswith("attack/"):

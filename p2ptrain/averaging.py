@@ -384,6 +384,8 @@ class _Outcome:
     outliers: dict[str, int] = field(default_factory=dict)
     refused: list[str] = field(default_factory=list)
     """Every peer left out for good so far (LeftOut), as of this all-reduce."""
+    stalled: list[str] = field(default_factory=list)
+    """Peers left out of the next rounds for stalling (LeftOut), as of this all-reduce."""
     """Groupmates whose parts our reducer's aggregate left out, and how many parts."""
 
 
@@ -478,6 +480,10 @@ class LeftOut:
     def for_good(self) -> list[str]:
         """The peers left out for the rest of the run."""
         return sorted(p for p, until in self._until.items() if until == math.inf)
+
+    def for_a_while(self, round: int) -> list[str]:
+        """The peers left out of rounds after ``round``, not for good (they stalled)."""
+        return sorted(p for p, until in self._until.items() if round < until < math.inf)
 
 
 class _WholeMessages:
@@ -742,6 +748,7 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
         finally:
             self._groupmates.pop(group_info.group_id, None)
         self._last_allreduce.refused = self._left_out.for_good()
+        self._last_allreduce.stalled = self._left_out.for_a_while(self._round)
         return {"gathered": gathered, "outcome": self._last_allreduce}
 
     async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs):
@@ -954,6 +961,7 @@ class SwarmAverager:
                 peers=contributors,
                 outliers=outcome.outliers,
                 refused=list(outcome.refused),
+                stalled=list(outcome.stalled),
             )
         reason = (
             "no_group"

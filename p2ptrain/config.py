@@ -226,7 +226,12 @@ class VerificationConfig(_Section):
     the first rounds)."""
     grace_rounds: int = Field(default=5, ge=0)
     """Rounds at the start of a run in which replicas of different numeric classes get the largest tolerance,
-    0.25: while the loss falls fast, float32 and bfloat16 replicas differ most (measured up to 0.21)."""
+    0.25: while the loss falls fast, float32 and bfloat16 replicas differ most (measured up to 0.22)."""
+    round_warmup_steps: int = Field(default=5, ge=0)
+    """A verifiable round starts a fresh AdamW (so that replicas agree), whose first steps are large: the
+    inner learning rate ramps up over this many steps of every round. Measured on the default experiment (4
+    simulated peers, 16 rounds of 15 steps, bench.simulate): val loss 2.147 without, 2.020 with 3, 1.868
+    with 5, 1.877 with 8; an AdamW kept across rounds (no verification) 1.802."""
     reveal_timeout_s: float = Field(default=60.0, gt=0.0)
     """How long a replica waits for its groupmates' nonces and sketches before it judges without them (a
     peer that does not reveal is left out of the round)."""

@@ -48,6 +48,8 @@ class AverageResult:
     refused: list[str] = field(default_factory=list)
     """Every peer this peer's averager has left out for good so far (it misbehaved towards our reducer, or
     was banned)."""
+    stalled: list[str] = field(default_factory=list)
+    """Peers this peer's averager leaves out of the next rounds: they stalled an all-reduce."""
 
 
 class Averager(Protocol):
@@ -81,6 +83,8 @@ class OuterStepReport:
     """Groupmates whose parts our reducer left out of the aggregate (``AverageResult.outliers``)."""
     refused: list[str] = field(default_factory=list)
     """``AverageResult.refused``."""
+    stalled: list[str] = field(default_factory=list)
+    """``AverageResult.stalled``."""
 
 
 @dataclass
@@ -214,6 +218,7 @@ class DiLoCo:
             peers=list(result.peers),
             outliers=dict(result.outliers),
             refused=list(result.refused),
+            stalled=list(result.stalled),
         )
 
     def check_average(self, tensors: Sequence[torch.Tensor]) -> str | None:

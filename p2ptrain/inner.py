@@ -42,6 +42,12 @@ def inner_lr(cfg: InnerConfig, step: int) -> float:
     return cfg.lr
 
 
+def round_warmup(step_in_round: int, steps: int) -> float:
+    """The factor of the learning rate at step ``step_in_round`` of a verifiable round: a ramp over the
+    round's first ``steps`` steps (``verification.round_warmup_steps``), for its fresh AdamW."""
+    return min(1.0, (step_in_round + 1) / steps) if steps else 1.0
+
+
 def inner_step(
     model: nn.Module,
     params: Sequence[nn.Parameter],

@@ -88,6 +88,9 @@ class ProgressRecord(BaseModel):
     """The shard of ``round`` it trains, ``index/count`` of the round's assignment."""
     replicas: conlist(constr(strict=True, min_length=1, max_length=128), max_items=MAX_REPLICAS + 1) = []  # type: ignore[valid-type]
     """The replica group it trains that shard with, itself included (sorted)."""
+    roster: conlist(constr(strict=True, min_length=1, max_length=128), max_items=MAX_LISTED) = []  # type: ignore[valid-type]
+    """The roster it computed the round's assignment over (sorted peer ids): the verdict checks every group
+    against the assignment over the roster most peers name."""
     seal: constr(strict=True, regex=r"^[0-9a-f]{0,64}$") = ""  # type: ignore[valid-type]
     """verify.sealed(digest, nonce), published when its inner phase is done, before anyone reveals."""
     digest: constr(strict=True, regex=r"^[0-9a-f]{0,64}$") = ""  # type: ignore[valid-type]

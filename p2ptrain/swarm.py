@@ -167,6 +167,7 @@ class LocalStatus:
     numeric_class: str = ""
     shard: str = ""
     replicas: list[str] = field(default_factory=list)
+    roster: list[str] = field(default_factory=list)
     seal: str = ""
     digest: str = ""
     nonce: str = ""

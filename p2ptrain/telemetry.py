@@ -137,7 +137,7 @@ VERIFIED_GROUPS = Counter(
 LEFT_OUT_PEERS = Counter(
     "p2ptrain_verification_left_out",
     "Peers that this peer left out of a verifiable round's average, by why (verify.Why: dissent, unmatched, "
-    "unrevealed, banned).",
+    "unrevealed, misassigned, banned).",
     ["reason"],
     registry=PEER,
 )
@@ -183,7 +183,7 @@ for _reason in FAILURE_REASONS:  # every series exists from the start, at 0, so 
     OUTER_STEP_FAILURES.labels(reason=_reason)
 for _outcome in ("agree", "dissent"):
     VERIFIED_GROUPS.labels(outcome=_outcome)
-for _why in ("dissent", "unmatched", "unrevealed", "banned"):
+for _why in ("dissent", "unmatched", "unrevealed", "misassigned", "banned"):
     LEFT_OUT_PEERS.labels(reason=_why)
 for _state in PEER_STATES:
     SWARM_PEERS.labels(state=_state)

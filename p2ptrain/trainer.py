@@ -11,6 +11,7 @@ that the whole round protocol runs in one process.
 
 from __future__ import annotations
 
+import functools
 import secrets
 import threading
 import time
@@ -27,7 +28,7 @@ from p2ptrain.config import ConfigError, ExperimentConfig
 from p2ptrain.data import Corpus, load_corpus
 from p2ptrain.diloco import DiLoCo, OuterStepReport, tensors_hash
 from p2ptrain.evaluation import evaluate
-from p2ptrain.inner import inner_lr, inner_step, make_optimizer, pick_device
+from p2ptrain.inner import inner_lr, inner_step, make_optimizer, pick_device, round_warmup
 from p2ptrain.link import Connect, Link, connect_hivemind
 from p2ptrain.logs import bind, get_logger
 from p2ptrain.models import build_model, num_params
@@ -74,6 +75,10 @@ class RunResult:
     def ok(self) -> bool:
         """Whether the process should exit 0: the swarm's final model, or a stop that was asked for."""
         return self.outcome in (Outcome.FINAL, Outcome.INTERRUPTED)
+
+
+CLAIM_POLL_START_S = 0.05
+"""The first wait between reads of a verifiable round's claims (doubling up to half a heartbeat)."""
 
 
 @dataclass
@@ -146,6 +151,8 @@ class Trainer:
         self._referee_jobs: list[tuple[verify.Dispute, list[torch.Tensor]]] = []
         self._my_referee_report: tuple[int, tuple[str, ...], torch.Tensor] | None = None
         self._digest = self._nonce = ""
+        self._assigned_over: tuple[int, dict[str, verify.Member]] = (0, {})
+        """Our assignment's seed, and the roster's members as we saw them then."""
         self.refused: set[str] = set()
         """Peers our averager left out for good (``AverageResult.refused``): ignored like banned ones."""
         self._wire: verify.Wire | None = None
@@ -350,16 +357,20 @@ class Trainer:
         """H local AdamW steps on this peer's shard of the round.
 
         In a verifiable round the shard comes from the round's assignment, and the inner optimizer and the
-        learning rate start afresh: what a replica computes depends on the round's params and shard only.
+        learning rate start afresh (the lr ramping up over ``verification.round_warmup_steps``): what a
+        replica computes depends on the round's params and shard only.
         """
         cfg = self.cfg
+        ramp = lambda step: 1.0  # noqa: E731
         if self.verifying:
+            ramp = functools.partial(round_warmup, steps=cfg.verification.round_warmup_steps)
             self._await_roster()
             rank, world, self._replicas = self.assignment()
             self.inner_opt = make_optimizer(self.diloco.model_params, cfg.inner)
             first_step = self.round * cfg.inner.num_inner_steps
             self._shard = f"{rank}/{world}"
-            claims = dict(self._no_claims(), shard=self._shard, replicas=list(self._replicas))
+            roster = self._roster_claim()
+            claims = dict(self._no_claims(), shard=self._shard, replicas=list(self._replicas), roster=roster)
         else:
             rank, world = protocol.roster(self.me(), self._visible())
             first_step, claims = self.inner_steps_total, {}
@@ -386,7 +397,7 @@ class Trainer:
                     self.inner_opt,
                     x.to(self.device, non_blocking=True),
                     y.to(self.device, non_blocking=True),
-                    lr=inner_lr(cfg.inner, first_step + stats.steps),
+                    lr=inner_lr(cfg.inner, first_step + stats.steps) * ramp(stats.steps),
                     grad_clip=cfg.inner.grad_clip,
                     autocast_dtype=dtype,
                 )
@@ -477,14 +488,33 @@ class Trainer:
             for pid in protocol.roster_ids(me, others)
             if pid not in self.reputation.banned
         ]
-        v = self.cfg.verification
         seed = verify.assignment_seed(self.cfg.run.run_id, self.round, me.params_hash)
-        plan = verify.assign(members, seed, replicas=v.replicas, audit_fraction=v.audit_fraction)
+        # What the verdict checks claims against: the assignment over the roster most peers name, with each
+        # peer's class and trust as we saw them now (a referee's strike later this round changes neither).
+        self._assigned_over = (seed, {m.peer: m for m in members})
+        plan = self._plan(tuple(m.peer for m in members))
         index = plan.shard_of(self.peer_id)
         if index is None:  # we are banned in our own view: train the roster rank's shard, nobody counts it
             rank, world = protocol.roster(me, others)
             return rank, world, (self.peer_id,)
         return index, plan.shards, plan.groups[index]
+
+    def _roster_claim(self) -> list[str]:
+        """The roster our record names: none beyond MAX_LISTED peers (the verdict then checks no assignment)."""
+        roster = sorted(self._assigned_over[1])
+        return roster if len(roster) <= MAX_LISTED else []
+
+    def _plan(self, roster: tuple[str, ...]) -> verify.Assignment:
+        """The round's assignment over ``roster``: each peer as we saw it at our assignment (or as we see it
+        now, for a peer our roster did not have)."""
+        seed, seen = self._assigned_over
+        others = self._visible()
+        members = [
+            seen.get(p) or verify.Member(p, self._numeric_class_of(p, others), self.reputation.trusted(p))
+            for p in roster
+        ]
+        v = self.cfg.verification
+        return verify.assign(members, seed, replicas=v.replicas, audit_fraction=v.audit_fraction)
 
     def _await_roster(self) -> None:
         """Wait while peers of the previous round are still averaging, sitting it out or loading its result:
@@ -548,6 +578,7 @@ class Trainer:
                 nonce=self._nonce,
                 sketch=None if sketch is None else sketch.double(),  # as the others read it from our record
                 parts=wire.digests,
+                roster=tuple(self._roster_claim()),
             )
         )
         self.settle_disputes(round_)  # referees' reports on earlier rounds: strikes and bans count from now
@@ -558,6 +589,7 @@ class Trainer:
             trusted=self.reputation.trusted,
             banned=self.reputation.banned.__contains__,
             tolerances=self._tolerances(round_),
+            plan=self._plan,
         )
         self.verdicts.append((round_, verdict))
         self._await_verdicts(verdict, [c.peer for c in claims if c.peer != self.peer_id], round_)
@@ -665,7 +697,8 @@ class Trainer:
                 optimizer,
                 x.to(self.device),
                 y.to(self.device),
-                lr=inner_lr(cfg.inner, round_ * cfg.inner.num_inner_steps + step),
+                lr=inner_lr(cfg.inner, round_ * cfg.inner.num_inner_steps + step)
+                * round_warmup(step, cfg.verification.round_warmup_steps),
                 grad_clip=cfg.inner.grad_clip,
                 autocast_dtype=getattr(torch, cfg.device.dtype),
             )
@@ -756,7 +789,11 @@ class Trainer:
         self, peers: Sequence[str], field_name: str, round_: int, deadline: float
     ) -> dict[str, ProgressRecord]:
         """Wait until every one of ``peers`` that is still in our round shows ``field_name`` in its record,
-        or ``deadline``; return their records of our round."""
+        or ``deadline``; return their records of our round.
+
+        Claims are published at once, and replicas finish their phases close together: the first reads come
+        fast (from 50 ms), then slower, up to the usual poll, so that a long wait costs no more reads."""
+        delay = min(CLAIM_POLL_START_S, self._poll_s)
         with self._waiting() as waiting:
             while True:
                 records = {pid: r for pid, r in self._others().items() if pid in peers}
@@ -769,7 +806,8 @@ class Trainer:
                 if not missing or time.monotonic() > deadline or self.stop.is_set():
                     return here
                 waiting.update(f"round {round_}: waiting for replicas' {field_name}", missing=len(missing))
-                self.stop.wait(self._poll_s)
+                self.stop.wait(delay)
+                delay = min(2 * delay, self._poll_s)
 
     def _sit_out(self, round_: int, counted: Sequence[str]) -> None:
         """Wait while the peers that count finish ``round_`` without us (the loop then loads their state), or
@@ -818,6 +856,9 @@ class Trainer:
             self.rounds_applied.append(round_)
             self.last_group_size = report.group_size
             self.memory.averaged_with(report.peers)
+        if report.stalled:
+            # Our averager refuses them for a while (LeftOut): the barrier does not wait for them meanwhile.
+            self.memory.waited_out_on(report.stalled, round_)
         self.board.update(
             round=self.round,
             state=PeerState.TRAINING,
@@ -1150,7 +1191,9 @@ class Trainer:
         """Record fields that clear a verifiable round's claims (a new round starts without any)."""
         if not self.verifying:
             return {}
-        return dict(shard="", replicas=[], seal="", digest="", nonce="", parts=b"", sketch=b"", verdict="")
+        return dict(
+            shard="", replicas=[], roster=[], seal="", digest="", nonce="", parts=b"", sketch=b"", verdict=""
+        )
 
     def _others(self) -> dict[str, ProgressRecord]:
         """The other peers' records (left ones included). Every reading also reaches ``self.memory``, through

@@ -30,6 +30,7 @@ from __future__ import annotations
 import hashlib
 import math
 import random
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
@@ -217,7 +218,7 @@ def class_pair(a: str, b: str) -> tuple[str, str]:
 def tolerance(a: str, b: str, tolerances: Tolerances | None = None) -> float:
     """The largest distance at which replicas of classes ``a`` and ``b`` still agree."""
     key = class_pair(a, b)
-    if tolerances and key in tolerances:
+    if tolerances is not None and key in tolerances:  # not `if tolerances`: a ByClass has no length
         return min(tolerances[key], MAX_TOLERANCE)
     if a == b:
         return DEFAULT_TOLERANCE
@@ -338,7 +339,8 @@ def assign(members: Sequence[Member], seed: int, *, replicas: int, audit_fractio
     * An untrusted peer always shares its shard with ``replicas - 1`` others, trusted ones first, of its own
       numeric class where possible; with nobody to share with yet, it joins an existing group.
     * A trusted peer is audited with probability ``audit_fraction``: audited ones are grouped among
-      themselves; the others train a shard alone (replication costs only where trust is missing).
+      themselves, or with a trusted peer that would have trained alone; the others train a shard alone
+      (replication costs only where trust is missing: about ``audit_fraction`` of the work is duplicated).
     """
     if replicas < 1 or not 0.0 <= audit_fraction <= 1.0:
         raise ValueError(f"replicas {replicas} must be >= 1 and audit_fraction {audit_fraction} in [0, 1]")
@@ -371,8 +373,10 @@ def assign(members: Sequence[Member], seed: int, *, replicas: int, audit_fractio
     # audit for them too), then from the audited, then with other untrusted peers.
     while untrusted:
         groups.append(group_of(untrusted.pop(0), [alone, audited, untrusted]))
-    while audited:
-        groups.append(group_of(audited.pop(0), [audited]))
+    while (
+        audited
+    ):  # with each other, else with one that would have trained alone: audits form in small swarms
+        groups.append(group_of(audited.pop(0), [audited, alone]))
     # Groups left short (nobody to share with): a lone untrusted or audited peer joins a group of its class.
     short = [g for g in groups if len(g) == 1]
     for g in short:
@@ -504,6 +508,8 @@ class Claim:
     sketch: torch.Tensor | None = None
     parts: bytes = b""
     """The digests of the parts it sends (:attr:`Wire.digests`): ``digest`` is their hash."""
+    roster: tuple[str, ...] = ()
+    """The roster it computed the round's assignment over (sorted peer ids)."""
 
     @classmethod
     def of(cls, record: ProgressRecord) -> Claim:
@@ -522,6 +528,7 @@ class Claim:
             nonce=record.nonce,
             sketch=sketch,
             parts=record.parts,
+            roster=tuple(record.roster),
         )
 
     def report(self) -> Report:
@@ -551,6 +558,9 @@ class Why(str, Enum):
     left)."""
     UNREVEALED = "unrevealed"
     """Its group did not reveal (a nonce that does not open its seal, or no sketch) in time."""
+    MISASSIGNED = "misassigned"
+    """Its group or shard is not what the round's assignment gives it (a peer does not choose its partners),
+    or it claims to have trained alone when the assignment drew it for an audit."""
 
 
 @dataclass(frozen=True)
@@ -571,6 +581,25 @@ class RoundVerdict:
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+def consensus_roster(claims: Sequence[Claim], trusted: Callable[[str], bool]) -> tuple[str, ...] | None:
+    """The roster a round's assignment was computed over, as its claims name it: the one named by the most
+    trusted claimants (by all claimants while none is trusted: new identities cannot outvote trusted peers,
+    however many they are); a tie goes to the smallest. None if no claim names one."""
+    voters = [c for c in claims if c.roster and trusted(c.peer)] or [c for c in claims if c.roster]
+    if not voters:
+        return None
+    counts = Counter(tuple(c.roster) for c in voters)
+    most = max(counts.values())
+    return min(r for r, n in counts.items() if n == most)
+
+
+def _shard_index(shard: str) -> tuple[int, int] | None:
+    index, _, count = shard.partition("/")
+    if not (index.isascii() and index.isdigit() and count.isascii() and count.isdigit()):
+        return None
+    return int(index), int(count)
+
+
 def judge_round(
     claims: Sequence[Claim],
     *,
@@ -579,6 +608,7 @@ def judge_round(
     trusted: Callable[[str], bool],
     banned: Callable[[str], bool] = lambda peer: False,
     tolerances: Tolerances | None = None,
+    plan: Callable[[tuple[str, ...]], Assignment] | None = None,
 ) -> RoundVerdict:
     """The verdict on a verifiable round: a pure function of its claims, so every honest peer reaches it.
 
@@ -586,8 +616,36 @@ def judge_round(
     its seal, every sketch is there and :func:`judge` agrees. A peer that claims to have trained alone counts
     only if it is trusted (:func:`assign` never leaves an untrusted peer alone while it has anyone to share
     with).
+
+    With ``plan`` (the round's :func:`assign` over a roster), claims are also checked against the assignment
+    over the roster the claims name (:func:`consensus_roster`): a group counts only if it is the group the
+    assignment gives its shard, and a trusted peer in an incomplete group only if it claims its assigned
+    group, or to have trained alone where the assignment left it alone or its partners left without a
+    claim. Peers do not choose their partners, nor dodge an audit.
     """
     by_peer = {c.peer: c for c in claims}
+    roster = consensus_roster(claims, trusted) if plan is not None else None
+    expected = plan(roster) if plan is not None and roster is not None else None
+
+    def assigned(group: tuple[str, ...], shard: str) -> bool:
+        if expected is None:  # no plan, or no claim names a roster (a round of more than MAX_LISTED peers)
+            return True
+        index = _shard_index(shard)
+        if index is None or index[1] != expected.shards or index[0] >= expected.shards:
+            return False
+        return expected.groups[index[0]] == group
+
+    def may_count_alone(claim: Claim) -> bool:
+        """A trusted peer whose group is incomplete: it claims what it was assigned (a partner claimed
+        otherwise, or left), or to have trained alone where it was assigned to, or where its partners left
+        without claiming anything."""
+        if expected is None or assigned(tuple(sorted({*claim.replicas, claim.peer})), claim.shard):
+            return True
+        index = expected.shard_of(claim.peer)
+        if index is None or not assigned(expected.groups[index], claim.shard):
+            return False
+        return all(p not in by_peer for p in expected.groups[index] if p != claim.peer)
+
     shares: dict[str, float] = {}
     left_out: dict[str, Why] = {}
     agreed: list[tuple[str, ...]] = []
@@ -610,8 +668,14 @@ def judge_round(
                 left_out[peer] = Why.UNMATCHED
             elif not claim.revealed:  # reducers could not check what it sends
                 left_out[peer] = Why.UNREVEALED
+            elif not may_count_alone(claim):
+                left_out[peer] = Why.MISASSIGNED
             else:
                 shares[peer] = 1.0  # trained alone (or its partner vanished): its trust vouches for it
+            continue
+        if not assigned(group, claim.shard):
+            for p in group:
+                left_out[p] = Why.MISASSIGNED
             continue
         mates = [m for m in members if m is not None]
         if any(banned(m.peer) for m in mates):

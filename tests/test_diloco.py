@@ -179,3 +179,14 @@ def test_a_poisoned_average_is_refused_never_applied(poison):
     assert torch.isfinite(d.master[0]).all() and math.isclose(d.master[0].item(), 0.75)
     report = d.sync(Poisoner(), weight=1.0, round=1, fallback=lambda: False)
     assert not report.applied and d.round == 1 and math.isclose(d.master[0].item(), 0.75)
+
+
+def test_a_verifiable_rounds_lr_ramps_up_over_its_first_steps_and_the_runs_warmup_still_applies():
+    from p2ptrain.config import InnerConfig
+    from p2ptrain.inner import inner_lr, round_warmup
+
+    assert [round_warmup(s, 5) for s in range(7)] == [0.2, 0.4, 0.6, 0.8, 1.0, 1.0, 1.0]
+    assert round_warmup(0, 0) == 1.0  # off
+    cfg = InnerConfig(lr=0.01, warmup_steps=20, num_inner_steps=15)
+    # Round 1, step 0 (step 15 of the run): the run's warmup (16/20) and the round's ramp (1/5) multiply.
+    assert math.isclose(inner_lr(cfg, 15) * round_warmup(0, 5), 0.01 * 16 / 20 / 5)

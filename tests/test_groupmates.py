@@ -55,6 +55,10 @@ def test_stalls_leave_a_peer_out_of_16_rounds_then_twice_as_many_counted_once_pe
     assert left.excludes("s", 5) and left.excludes("s", 20) and not left.excludes("s", 21)
     assert left.fault("s", Fault.STALLED, round=21) == 52
     assert left.fault("s", Fault.STALLED, round=53) == 116
+    assert left.for_a_while(53) == ["s"] and left.for_a_while(116) == [] and left.for_good() == []
     # After a misbehaviour, a stall does not shorten the exclusion.
     left.fault("s", Fault.MISBEHAVED, round=20)
     assert left.fault("s", Fault.STALLED, round=21) == math.inf
+    assert left.for_good() == ["s"] and left.for_a_while(21) == []
+    left.for_round("v", 30)  # a verdict's: that round only
+    assert left.for_a_while(30) == []

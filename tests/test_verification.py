@@ -128,6 +128,60 @@ def test_what_replicas_cannot_see_every_reducer_refuses(tmp_path, attack):
     assert_swarm_contract(tmp_path, peers, ["a", "b", "c"])
 
 
+class ClaimsItsAccomplice(FlipsItsWork):
+    """Flips its work, and claims its accomplice (the other peer of this class) as its replica, whatever the
+    assignment says: they agree with each other, so without the assignment check they would count."""
+
+    def assignment(self):
+        index, count, group = super().assignment()
+        others = {pid: r for pid, r in self._visible().items()}
+        accomplice = next(p for p in sorted(others) if p.startswith("mem-y") or p.startswith("mem-x"))
+        shard = min(index, self._assigned_shard_of(accomplice, count))
+        return shard, count, tuple(sorted({self.peer_id, accomplice}))
+
+    def _assigned_shard_of(self, peer, count):
+        plan = self._plan(tuple(self._roster_claim()))
+        found = plan.shard_of(peer)
+        return count if found is None else found
+
+
+class RemembersPlans(Trainer):
+    """An honest peer that keeps each round's assignment (over the roster it named) for the test to read."""
+
+    def verify_round(self, group, stats):
+        self.plans = getattr(self, "plans", {})
+        self.plans[self.round] = self._plan(tuple(self._roster_claim()))
+        return super().verify_round(group, stats)
+
+
+def test_colluders_that_claim_each_other_against_the_assignment_never_count(tmp_path):
+    """Two colluders flip their work and name each other as replicas on the same shard: the verdict holds
+    every group to the round's assignment, so they count only where the assignment itself paired them (and
+    then their flipped work is the same: replicas cannot tell, as documented)."""
+    swarm = MemorySwarm()
+    names = ["a", "b", "x", "y"]
+    peers = {
+        n: PeerThread(swarm, n, cfg, ClaimsItsAccomplice if n in "xy" else RemembersPlans)
+        for n, cfg in _configs(tmp_path, names).items()
+    }
+    finish(peers)
+    x, y = swarm.peer_id("x"), swarm.peer_id("y")
+    misassigned = 0
+    for name in ("a", "b"):
+        trainer = peers[name].trainer
+        for r, verdict in trainer.verdicts:
+            paired = trainer.plans[r].shard_of(x) == trainer.plans[r].shard_of(y)
+            if not paired:
+                assert x not in verdict.shares and y not in verdict.shares, (r, verdict)
+                misassigned += verdict.left_out.get(x) == Why.MISASSIGNED
+    assert misassigned, "the assignment never split them: this test tests nothing"
+    # Liveness, not learning: the honest peers paired with a liar are unmatched, and those rounds are void
+    # (docs/architecture.md#verification). Both honest peers end the run, alike.
+    for name in ("a", "b"):
+        assert peers[name].result.outcome.value == "final", peers[name].result
+    assert peers["a"].trainer.diloco.params_hash() == peers["b"].trainer.diloco.params_hash()
+
+
 def _configs(tmp_path, names, **verification):
     from tests.memswarm import fast_config
 

@@ -151,6 +151,20 @@ def test_the_referee_convicts_whoever_disagrees_with_it_unless_it_agrees_with_no
     assert refereed(group, report("referee", delta(5), 1)) == set()
 
 
+def test_the_configured_tolerances_are_the_ones_judged_by():
+    """verification.tolerance and mixed_tolerance (and the grace rounds' cap) reach the verdict: a ByClass
+    is a mapping of no listed keys, and must not read as "no tolerances given"."""
+    a = delta(0)
+    b = nearby(a, 0.2)
+    seed = group_seed("r", 3, ["n"])
+    pair = [report("a", a, seed), report("b", b, seed, "cpu/bfloat16")]
+    assert judge(pair, ByClass(0.02, 0.15)).outcome == Outcome.DISSENT
+    assert judge(pair, ByClass(0.02, MAX_TOLERANCE)).outcome == Outcome.AGREE  # the grace rounds'
+    same = [report("a", a, seed), report("b", nearby(a, 0.03), seed)]
+    assert judge(same, ByClass(0.02, 0.15)).outcome == Outcome.DISSENT
+    assert judge(same, ByClass(0.05, 0.15)).outcome == Outcome.AGREE
+
+
 def test_tolerances_are_per_class_pair_and_capped():
     assert tolerance("cpu/float32", "cpu/float32") < tolerance("cpu/float32", "cuda/bfloat16")
     calibrated = {("cpu/float32", "cuda/bfloat16"): 0.08, ("cpu/float32", "cpu/float32"): 5.0}
@@ -193,11 +207,16 @@ def test_trusted_peers_are_audited_at_the_audit_fraction_and_train_alone_otherwi
     roster = members(10, 0)
     assert assign(roster, 0, replicas=2, audit_fraction=0.0).shards == 10
     assert all(len(g) == 2 for g in assign(roster, 0, replicas=2, audit_fraction=1.0).groups)
-    audited = sum(
-        sum(len(g) for g in assign(roster, seed, replicas=2, audit_fraction=0.1).groups if len(g) > 1)
+    # The work duplicated (a shard trained twice) is about the audit fraction.
+    duplicated = sum(
+        sum(len(g) - 1 for g in assign(roster, seed, replicas=2, audit_fraction=0.1).groups)
         for seed in range(300)
     )
-    assert 0.05 < audited / 3000 < 0.15
+    assert 0.05 < duplicated / 3000 < 0.15
+    # In a small swarm too: a lone audited peer is paired with one that would have trained alone.
+    pair = members(2, 0)
+    paired = sum(assign(pair, seed, replicas=2, audit_fraction=0.5).shards == 1 for seed in range(400))
+    assert 0.65 < paired / 400 < 0.85  # 1 - 0.5²: whenever either is drawn
 
 
 def test_partners_are_of_the_same_numeric_class_where_possible():
@@ -248,14 +267,31 @@ def test_a_calibrated_tolerance_follows_honest_agreement_between_its_floor_and_t
 
 
 def claim(
-    peer: str, group: tuple[str, ...], work, *, shard: str = "0/2", nonce: str = "ab", cls="cpu/float32"
+    peer: str,
+    group: tuple[str, ...],
+    work,
+    *,
+    shard: str = "0/2",
+    nonce: str = "ab",
+    cls="cpu/float32",
+    roster: tuple[str, ...] = (),
 ):
     """A peer's honest claim: sealed, revealed, sketched under its group's seed."""
     w = wire(work, NoCompression())
     digest = commitment(w.digests)
     seed = group_seed("r", 3, ["ab"] * len(group))
+    sketched = sketch(w.parts, seed)
     return Claim(
-        peer, cls, shard, group, sealed(digest, nonce), digest, nonce, sketch(w.parts, seed), parts=w.digests
+        peer,
+        cls,
+        shard,
+        group,
+        sealed(digest, nonce),
+        digest,
+        nonce,
+        sketched,
+        parts=w.digests,
+        roster=roster,
     )
 
 
@@ -476,3 +512,71 @@ def test_reducers_learn_each_counted_peers_seal_and_its_groups_seed():
     assert table["a"].seed == group_seed("r", 3, ["ab", "ab"]) and table["a"].digests == claims[0].parts
     assert table["c"].seed == group_seed("r", 3, ["ab"])
     assert table["a"].sketch == claims[0].sketch.float().numpy().tobytes()
+
+
+def planner(trusted=(), audit_fraction=0.0):
+    """The round's assignment over a roster, as the trainer's ``_plan`` computes it."""
+    return lambda roster: assign(
+        [Member(p, "cpu/float32", p in trusted) for p in roster], 5, replicas=2, audit_fraction=audit_fraction
+    )
+
+
+def claims_as_assigned(plan, roster, work, **changes):
+    """Every roster member's honest claim of the group and shard the plan gives it (``changes``: peer ->
+    (group, shard) claimed instead)."""
+    out = []
+    for i, group in enumerate(plan.groups):
+        for p in group:
+            g, shard = changes.get(p, (group, f"{i}/{plan.shards}"))
+            out.append(claim(p, g, work, shard=shard, roster=roster))
+    return out
+
+
+def test_colluders_cannot_choose_each_other_as_replicas():
+    roster = ("a", "b", "x", "y")
+    plan = planner()(roster)
+    work = delta(1)
+    honest = verdict_of(claims_as_assigned(plan, roster, work), trusted=())
+    assert set(honest.shares) == set(roster)
+    judged = judge_round(
+        claims_as_assigned(plan, roster, work), run_id="r", round=3, trusted=lambda p: False, plan=planner()
+    )
+    assert set(judged.shares) == set(roster), judged.left_out  # claims as assigned count
+    if plan.shard_of("x") == plan.shard_of("y"):  # the seed paired them anyway: nothing to claim
+        return
+    # x and y claim each other, on x's shard: both are left out, whatever their sketches.
+    x_shard = f"{plan.shard_of('x')}/{plan.shards}"
+    lying = claims_as_assigned(plan, roster, work, x=(("x", "y"), x_shard), y=(("x", "y"), x_shard))
+    v = judge_round(lying, run_id="r", round=3, trusted=lambda p: False, plan=planner())
+    assert v.left_out["x"] == v.left_out["y"] == Why.MISASSIGNED
+    assert "x" not in v.shares and "y" not in v.shares
+
+
+def test_a_trusted_peer_drawn_for_an_audit_cannot_claim_to_have_trained_alone():
+    roster, trusted = ("a", "b"), {"a", "b"}
+    seed_plan = planner(trusted, audit_fraction=1.0)
+    plan = seed_plan(roster)
+    assert plan.groups == (("a", "b"),)
+    work = delta(1)
+    dodge = claims_as_assigned(plan, roster, work, b=(("b",), "0/1"))
+    v = judge_round(dodge, run_id="r", round=3, trusted=trusted.__contains__, plan=seed_plan)
+    assert v.left_out["b"] == Why.MISASSIGNED and v.shares == {"a": 1.0}  # a's partner dodged: a counts alone
+    # Its partner left before claiming anything: the one that stayed counts alone.
+    alone = [c for c in claims_as_assigned(plan, roster, work) if c.peer == "a"]
+    assert judge_round(alone, run_id="r", round=3, trusted=trusted.__contains__, plan=seed_plan).shares == {
+        "a": 1.0
+    }
+
+
+def test_the_roster_is_the_one_trusted_claimants_name_and_new_identities_cannot_outvote_them():
+    roster, trusted = ("a", "b", "c", "d"), {"a", "b"}
+    plan = planner(trusted)(roster)
+    work = delta(1)
+    claims = claims_as_assigned(plan, roster, work)
+    # Three sybils name a roster of their own (in which they pair up): they are many, but not trusted.
+    fake = ("s1", "s2", "s3")
+    fake_plan = planner(trusted)(fake)
+    claims += claims_as_assigned(fake_plan, fake, work)
+    v = judge_round(claims, run_id="r", round=3, trusted=trusted.__contains__, plan=planner(trusted))
+    assert {"a", "b", "c", "d"} <= set(v.shares)
+    assert all(v.left_out[s] == Why.MISASSIGNED for s in fake), v.left_out

@@ -293,6 +293,7 @@ def test_a_groupmate_that_stalls_costs_one_timeout_and_the_round_is_averaged_wit
     for r in (a, b):
         assert not isinstance(r, Exception), r
         assert r.group_size == 2 and staller.peer_id not in r.peers
+        assert r.stalled == [staller.peer_id] and r.refused == []  # the trainer stops waiting for it a while
     assert torch.equal(a.tensors[0], b.tensors[0])
     torch.testing.assert_close(a.tensors[0], (xs[0][0] + xs[1][0]) / 2)
 
