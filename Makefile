@@ -44,6 +44,7 @@ bench: $(STAMP)
 	$(BIN)/python -m bench.churn
 	$(BIN)/python -m bench.attacks
 	$(BIN)/python -m bench.robustness
+	$(BIN)/python -m bench.round_warmup
 	$(BIN)/python -m bench.replicas
 	$(BIN)/python -m bench.verification
 
