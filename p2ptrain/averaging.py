@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import math
 import os
 import threading
@@ -616,7 +617,14 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
     async def rpc_aggregate_part(
         self, stream: typing.AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
     ) -> typing.AsyncIterator[averaging_pb2.AveragingData]:
-        await self._admit(context.remote_id, "to average its part")
+        remote = context.remote_id
+        if not any(remote in mates for mates in self._groupmates.values()):
+            # A groupmate may begin sending before our own matchmaking has handed us the group (the leader's
+            # answer reached it first; hivemind waits for that too): wait for it before asking the records,
+            # which may not show a peer that joined a moment ago.
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._pending_groups_registered.wait(), self.request_timeout)
+        await self._admit(remote, "to average its part")
         async for message in super().rpc_aggregate_part(stream, context):
             yield message
 
@@ -734,6 +742,17 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
             until_round="the end of the run" if until == math.inf else int(until),
         )
 
+    @contextlib.contextmanager
+    def _register_allreduce_group(self, group_info):
+        """hivemind's registration of the group we are about to average with; its members are groupmates
+        (admitted by ``_admit``) from this moment, before our all-reduce starts."""
+        self._groupmates[group_info.group_id] = set(group_info.peer_ids)
+        try:
+            with super()._register_allreduce_group(group_info):
+                yield
+        finally:
+            self._groupmates.pop(group_info.group_id, None)
+
     async def _aggregate_with_group(self, group_info, min_vector_size: int, **kwargs):
         self._last_allreduce = _Outcome()
         # A group that another leader formed may hold a peer we left out: never average with it.
@@ -742,11 +761,7 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
             raise AllreduceException(
                 f"the group holds {excluded[0]}, whom we left out of round {self._round}"
             )
-        self._groupmates[group_info.group_id] = set(group_info.peer_ids)
-        try:
-            gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
-        finally:
-            self._groupmates.pop(group_info.group_id, None)
+        gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
         self._last_allreduce.refused = self._left_out.for_good()
         self._last_allreduce.stalled = self._left_out.for_a_while(self._round)
         return {"gathered": gathered, "outcome": self._last_allreduce}
