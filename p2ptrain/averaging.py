@@ -276,9 +276,9 @@ class ExactAllReduceRunner(AllReduceRunner):
         """Decode and check one part a sender sent us (in a worker thread): the part, its weight, and what
         is wrong with it (None: nothing)."""
         self.bytes_received += len(msg.tensor_part.buffer)
-        part = _decoded(msg.tensor_part, _nth(self.tensor_part_reducer.part_shapes, index))
-        weight = msg.weight
-        problem = part_problem(part, _nth(self.tensor_part_reducer.part_shapes, index))
+        shape = _nth(self.tensor_part_reducer.part_shapes, index)
+        part, weight = _decoded(msg.tensor_part, shape), msg.weight
+        problem = part_problem(part, shape)
         if problem is None and not (math.isfinite(weight) and 0 < weight <= self.max_weight):
             problem = f"weight {weight!r} is not in (0, {self.max_weight:g}]"
         verdict_weight = self.weights.get(sender)

@@ -89,11 +89,9 @@ class RoundStats:
     started: float = field(default_factory=time.monotonic)
     inner_s: float = 0.0
     sync_s: float = 0.0
-    share: float = 1.0
-    """The factor of this peer's weight in the average: 1 / its replica group's size in a verifiable round."""
     weight: float | None = None
-    """A verifiable round's weight for us, as the verdict gives it: we send exactly that (reducers refuse any
-    other)."""
+    """A verifiable round's weight for us, as the verdict gives it (a full inner phase's samples over our
+    replica group's size): we send exactly that (reducers refuse any other)."""
 
     @property
     def loss(self) -> float:
@@ -508,7 +506,7 @@ class Trainer:
         """The round's assignment over ``roster``: each peer as we saw it at our assignment (or as we see it
         now, for a peer our roster did not have)."""
         seed, seen = self._assigned_over
-        others = self._visible()
+        others = self._visible() if any(p not in seen for p in roster) else {}  # a DHT read: only if needed
         members = [
             seen.get(p) or verify.Member(p, self._numeric_class_of(p, others), self.reputation.trusted(p))
             for p in roster
@@ -644,7 +642,6 @@ class Trainer:
         # Reducers also check every part they receive against what its sender sealed and sketched.
         sealed = verify.sealed_parts(verdict, claims, run_id=self.cfg.run.run_id, round=round_)
         self.averager.leave_out([p for p in verdict.left_out if p != self.peer_id], round_, weights, sealed)
-        stats.share = verdict.shares[self.peer_id]
         stats.weight = weights[self.peer_id]
         return [r for r in group if r.peer_id in verdict.shares]
 
@@ -838,7 +835,7 @@ class Trainer:
             waiting.update(f"round {round_}: averaging", peers=len(group) + 1)
             report = self.diloco.sync(
                 None if alone else self.averager,
-                weight=stats.weight if stats.weight is not None else max(stats.samples, 1) * stats.share,
+                weight=stats.weight if stats.weight is not None else max(stats.samples, 1),
                 round=round_,
                 fallback=self._may_step_alone,
             )

@@ -26,7 +26,7 @@ from p2ptrain.compression import roundtrip
 from p2ptrain.config import ExperimentConfig, load_config
 from p2ptrain.diloco import AverageResult, AveragingFailed
 from p2ptrain.link import Link
-from p2ptrain.records import PeerState, ProgressRecord
+from p2ptrain.records import PART_DIGEST_BYTES, PeerState, ProgressRecord
 from p2ptrain.trainer import RunResult, Trainer
 from p2ptrain.verify import Sealed, Wire, sent_problem, sketch_layout, wire
 from tests.conftest import ROOT
@@ -419,7 +419,8 @@ class MemorySwarm:
         sent = group.wires[peer.peer_id]
         layout = sketch_layout([p.numel() for p in sent.parts])
         for i, part in enumerate(sent.parts):
-            problem = sent_problem(table[peer.peer_id], i, sent.digests[16 * i : 16 * i + 16], part, layout)
+            digest = sent.digests[i * PART_DIGEST_BYTES : (i + 1) * PART_DIGEST_BYTES]
+            problem = sent_problem(table[peer.peer_id], i, digest, part, layout)
             if problem is not None:
                 return problem
         return None
