@@ -11,6 +11,9 @@ half of a new one.
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import json
 import os
 import tempfile
@@ -35,6 +38,88 @@ _STATE_PREFIXES = (MOMENTUM_PREFIX, RESIDUAL_PREFIX, INNER_PREFIX)
 
 class CheckpointError(ValueError):
     """A model file cannot be used. The message says which file and why."""
+
+
+LOCK_FILE = ".peer.lock"
+MAX_AUTO_DIRS = 1024
+
+
+class PeerDir:
+    """This peer's checkpoint directory, held while it runs: an exclusive ``flock`` on its lock file, so two
+    peers started from one checkout never write into one directory.
+
+    The kernel releases the lock when the peer exits, however it exits (kill -9 included); hivemind's
+    children, forked from the peer, close their copy of the lock at once, so that a restarted peer does not
+    wait for them to go.
+    """
+
+    def __init__(self, path: Path, fd: int):
+        self.path, self._fd = path, fd
+
+    @classmethod
+    def claim(cls, configured: Path | None, run_id: str) -> PeerDir:
+        """``configured`` if no running peer holds it; with None, ``checkpoints/<run_id>/peer-<N>`` for the
+        lowest N that no running peer holds (a restarted peer takes its directory back and resumes from it).
+
+        Raises:
+            ConfigError: ``configured`` is held by another running peer, or cannot be created.
+        """
+        if configured is not None:
+            held = cls._try(Path(configured))
+            if isinstance(held, int):
+                raise ConfigError(
+                    f"checkpoint.dir {configured}: another running peer (pid {held}) writes there; give each "
+                    "peer a directory of its own (or leave checkpoint.dir unset: each peer then gets one)"
+                )
+            return held
+        for n in range(MAX_AUTO_DIRS):
+            held = cls._try(Path("checkpoints") / run_id / f"peer-{n}")
+            if isinstance(held, PeerDir):
+                return held
+        raise ConfigError(
+            f"checkpoint.dir: every one of checkpoints/{run_id}/peer-0..{MAX_AUTO_DIRS - 1} is in use"
+        )
+
+    @classmethod
+    def _try(cls, path: Path) -> PeerDir | int:
+        """The held directory, or the pid of the peer that holds it."""
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            raise ConfigError(f"checkpoint.dir {path}: cannot use it ({e.strerror or e})") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                os.close(fd)
+                raise ConfigError(f"checkpoint.dir {path}: cannot lock it ({e.strerror or e})") from None
+            holder = os.read(fd, 32).decode(errors="replace").strip()
+            os.close(fd)
+            return int(holder) if holder.isdigit() else -1
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        _HELD.add(fd)
+        return cls(path, fd)
+
+    def release(self) -> None:
+        if self._fd in _HELD:
+            _HELD.discard(self._fd)
+            os.close(self._fd)  # closing our only descriptor releases the lock
+
+
+_HELD: set[int] = set()
+"""The lock descriptors this process holds (a forked child closes its copies)."""
+
+
+def _close_held_in_child() -> None:
+    for fd in _HELD:
+        with contextlib.suppress(OSError):
+            os.close(fd)  # the parent's descriptor still holds the lock
+    _HELD.clear()
+
+
+os.register_at_fork(after_in_child=_close_held_in_child)
 
 
 def param_names(model: torch.nn.Module) -> list[str]:

@@ -12,13 +12,22 @@ import json
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
 from p2ptrain.addrs import SwarmError, check_writable, is_loopback, write_maddrs_file
-from p2ptrain.config import ConfigError, deep_merge, load_config, parse_set, reference_markdown
+from p2ptrain.config import (
+    TRAINING_SECTIONS,
+    ConfigError,
+    deep_merge,
+    load_config,
+    parse_set,
+    read_yaml,
+    reference_markdown,
+)
 
 app = typer.Typer(
     add_completion=False,
@@ -85,17 +94,100 @@ def _status_listen_addr(initial_peers: list[str]) -> str:
     return "/ip4/127.0.0.1/tcp/0" if loopback else "/ip4/0.0.0.0/tcp/0"
 
 
-def resolve(config: Path | None, sets: list[str] | None, flags: dict[str, dict[str, Any]]) -> Any:
-    """Config from file + env + flags; ConfigError becomes exit 2 with the field path."""
+def overrides_of(sets: list[str] | None, flags: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """``--set`` and flags as one nested dict of overrides (flags win); ConfigError becomes exit 2."""
     try:
         overrides = deep_merge(parse_set(sets or []), {})
-        for section, values in flags.items():
-            values = {k: v for k, v in values.items() if v is not None}
-            if values:
-                overrides = deep_merge(overrides, {section: values})
+    except ConfigError as e:
+        raise fail(str(e), EXIT_USAGE) from None
+    for section, values in flags.items():
+        values = {k: v for k, v in values.items() if v is not None}
+        if values:
+            overrides = deep_merge(overrides, {section: values})
+    return overrides
+
+
+def resolve(config: Path | None, sets: list[str] | None, flags: dict[str, dict[str, Any]]) -> Any:
+    """Config from file + env + flags; ConfigError becomes exit 2 with the field path."""
+    overrides = overrides_of(sets, flags)
+    try:
         return load_config(config, overrides)
     except ConfigError as e:
         raise fail(str(e).replace("\n", "\nerror: "), EXIT_USAGE) from None
+
+
+def read_config_file(path: Path) -> dict[str, Any]:
+    try:
+        return read_yaml(path)
+    except ConfigError as e:
+        raise fail(str(e), EXIT_USAGE) from None
+
+
+def own_settings_only(path: Path) -> bool:
+    """Whether a config file sets only what is a peer's own (its swarm, device, checkpoint, log and metrics
+    sections, and at most run.run_id): a volunteer's file, which joins the swarm's experiment."""
+    data = read_config_file(path)
+    shared = {section for section in data if section in TRAINING_SECTIONS}
+    return shared <= {"run"} and set(data.get("run") or {}) <= {"run_id"}
+
+
+def swarm_experiment(overrides: dict[str, Any]) -> Any:
+    """The config of the experiment the swarm at ``--initial-peers`` trains, with this peer's own sections
+    from ``overrides``: a reader DHT fetches the run's signed experiment (``experiment.py``), then leaves.
+
+    Returns None when no initial peers are given (this peer starts a new swarm).
+    """
+    try:
+        swarm_cfg = load_config(None, {"swarm": overrides.get("swarm", {})}).swarm
+    except ConfigError as e:
+        raise fail(str(e).replace("\n", "\nerror: "), EXIT_USAGE) from None
+    if not (swarm_cfg.initial_peers or swarm_cfg.initial_peers_file):
+        return None
+    from p2ptrain import logs
+    from p2ptrain.experiment import ExperimentError, choose, config_for
+    from p2ptrain.swarm import create_dht, progress_validators, published_experiments
+
+    logs.configure("error", (overrides.get("log") or {}).get("format") or "auto")
+    run_id = (overrides.get("run") or {}).get("run_id")
+    # A reader, as `status` is: a DHT client that serves nothing and maps no ports.
+    reader = swarm_cfg.model_copy(
+        update=dict(
+            client_mode=True,
+            nat_port_map=False,
+            identity_path=None,
+            host_maddrs=[_status_listen_addr(list(swarm_cfg.initial_peers))],
+        )
+    )
+    try:
+        node = create_dht(reader, record_validators=progress_validators(None))
+    except SwarmError as e:
+        raise fail(str(e), EXIT_RUNTIME) from None
+    try:
+        # A record takes a moment to reach a node that just joined: look a few times before giving up.
+        deadline = time.monotonic() + 2 * swarm_cfg.heartbeat_s + 3
+        while (found := choose(published_experiments(node), run_id)) is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+    except ExperimentError as e:
+        raise fail(str(e), EXIT_USAGE) from None
+    finally:
+        node.shutdown()
+    if found is None:
+        which = f"run {run_id}" if run_id else "any run"
+        raise fail(
+            f"the swarm publishes no experiment for {which} (its peers may run an older p2ptrain, or have "
+            "left): pass the run's config with --config",
+            EXIT_RUNTIME,
+        )
+    try:
+        cfg = config_for(found, overrides)
+    except ConfigError as e:
+        raise fail(str(e), EXIT_USAGE) from None
+    typer.echo(
+        f"Joining the swarm's experiment {found.run_id} (published by {found.owner[-8:]}, carried by "
+        f"{len(found.publishers)} peers): model {cfg.model.name}, {cfg.outer.num_rounds} rounds of "
+        f"{cfg.inner.num_inner_steps} inner steps."
+    )
+    return cfg
 
 
 def install_stop_handlers(stop: threading.Event) -> None:
@@ -123,25 +215,33 @@ def join(
     client_mode: Annotated[bool | None, typer.Option(help="Accept no incoming connections.")] = None,
     device: Annotated[str | None, typer.Option(help="auto | cpu | cuda | mps.")] = None,
     rounds: Annotated[int | None, typer.Option(help="outer.num_rounds.")] = None,
+    run_id: Annotated[
+        str | None, typer.Option(help="run.run_id: the run to join, where the swarm trains several.")
+    ] = None,
     set_: SetOpt = None,
     log_level: LogLevelOpt = None,
     log_format: LogFormatOpt = None,
     metrics_port: MetricsPortOpt = None,
 ) -> None:
-    """Train with the swarm. Without --initial-peers, start a new swarm and print the address others join."""
-    cfg = resolve(
-        config,
-        set_,
-        {
-            "swarm": swarm_flags(
-                initial_peers, host_maddrs, announce_maddrs, identity_path, key_file, client_mode
-            ),
-            "device": dict(kind=device),
-            "outer": dict(num_rounds=rounds),
-            "log": dict(level=log_level, format=log_format),
-            "metrics": dict(port=metrics_port),
-        },
-    )
+    """Train with the swarm. Without --initial-peers, start a new swarm and print the address others join.
+    With --initial-peers and no --config, train the experiment the swarm publishes."""
+    flags = {
+        "run": dict(run_id=run_id),
+        "swarm": swarm_flags(
+            initial_peers, host_maddrs, announce_maddrs, identity_path, key_file, client_mode
+        ),
+        "device": dict(kind=device),
+        "outer": dict(num_rounds=rounds),
+        "log": dict(level=log_level, format=log_format),
+        "metrics": dict(port=metrics_port),
+    }
+    cfg = None
+    if config is None or own_settings_only(config):
+        # Without training sections of our own, we train the swarm's experiment (when we join one).
+        own = read_config_file(config) if config is not None else {}
+        cfg = swarm_experiment(deep_merge(own, overrides_of(set_, flags)))
+    if cfg is None:
+        cfg = resolve(config, set_, flags)
     from p2ptrain import logs
 
     logs.configure(cfg.log.level, cfg.log.format, run_id=cfg.run.run_id)
@@ -153,7 +253,13 @@ def join(
     clog.debug("config", **cfg.model_dump(mode="json"))  # the whole resolved config: `--log-level debug`
     clog.info(
         "config",
-        file=str(config) if config else "built-in default experiment",
+        file=str(config)
+        if config
+        else (
+            "the swarm's experiment"
+            if cfg.swarm.initial_peers or cfg.swarm.initial_peers_file
+            else "built-in default experiment"
+        ),
         run_id=cfg.run.run_id,
         model=cfg.model.name,
         rounds=cfg.outer.num_rounds,
@@ -163,12 +269,22 @@ def join(
     )
 
     def announce(maddrs: list[str]) -> None:
-        if not (cfg.swarm.initial_peers or cfg.swarm.initial_peers_file):
-            typer.echo("Started a new swarm. Others join it with:")
+        new_swarm = not (cfg.swarm.initial_peers or cfg.swarm.initial_peers_file)
+        if new_swarm:
+            typer.echo(f"Started a new swarm for run {cfg.run.run_id}. Others join it with:")
         else:
             typer.echo("Joined the swarm. Others can also join through this peer:")
+        # Complete as printed: the experiment comes from the swarm; what only the joiner has, it must give.
+        extra = f" --key-file {cfg.swarm.key_file}" if cfg.swarm.key_file else ""
+        if cfg.data.source == "text" and cfg.data.path is not None:
+            extra += f" --set data.path=<your copy of {cfg.data.path.name}>"
         for maddr in maddrs:
-            typer.echo(f"  p2ptrain join --initial-peers {maddr}")
+            typer.echo(f"  p2ptrain join --initial-peers {maddr}{extra}")
+        if new_swarm and cfg.swarm.min_peers <= 1:
+            typer.echo(
+                f"This peer trains alone until others join ({cfg.outer.num_rounds} rounds); "
+                "--set swarm.min_peers=2 waits for one first."
+            )
         sys.stdout.flush()
 
     trainer = Trainer(cfg, stop=stop, on_started=announce)

@@ -326,8 +326,11 @@ class DeviceConfig(_Section):
 
 
 class CheckpointConfig(_Section):
-    dir: Path = Path("checkpoints")
-    """Where the final model (and periodic checkpoints) are written."""
+    dir: Path | None = None
+    """Where this peer writes its final model and checkpoints. Unset: checkpoints/<run_id>/peer-<N> under the
+    working directory, N the lowest that no running peer holds, so that peers started from one checkout never
+    share files and a restarted peer takes its directory back and resumes. A peer refuses to start in a
+    directory that another running peer holds."""
     every_rounds: int = Field(default=0, ge=0)
     """Write a checkpoint every N rounds (0: only the final model, and interrupted.safetensors on a stop)."""
     keep_last: int = Field(default=3, ge=1)
@@ -453,13 +456,59 @@ class ExperimentConfig(BaseSettings):
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
 
+    def training_sections(self) -> dict[str, Any]:
+        """The sections a run's peers share (:data:`TRAINING_SECTIONS`), as JSON: what the swarm publishes as
+        its experiment (``experiment.py``). The data is named by its content (``data.sha256``), never by its
+        path, which is each peer's own."""
+        from p2ptrain.data import corpus_digest  # data.py imports this module
+
+        doc = self.model_dump(mode="json", include=set(TRAINING_SECTIONS))
+        doc["data"].pop("path")
+        doc["data"]["sha256"] = corpus_digest(self.data)
+        return doc
+
+    def agreed_sections(self) -> dict[str, Any]:
+        """:meth:`training_sections` without :data:`OWN_FIELDS`: what every peer of a run must agree on."""
+        doc = self.training_sections()
+        for section, names in OWN_FIELDS.items():
+            for name in names:
+                doc[section].pop(name)
+        return doc
+
     def training_hash(self) -> str:
-        """Hash of the sections that must agree across peers (and across a checkpoint and its resume)."""
-        shared = self.model_dump(mode="json", include={"run", "model", "data", "inner", "outer"})
-        if self.verification.replicas > 1:  # only then: older runs' checkpoints keep their hash
-            # Everything the verdicts depend on; how long a peer waits for others is its own business.
-            shared["verification"] = self.verification.model_dump(mode="json", exclude={"reveal_timeout_s"})
+        """Hash of what a checkpoint and a state transfer must agree on: the run, model, data (by content),
+        inner and outer sections, and the verification section in a verifiable run."""
+        doc = self.agreed_sections()
+        shared = {name: doc[name] for name in ("run", "model", "data", "inner", "outer")}
+        if (
+            self.verification.replicas > 1
+        ):  # only then: a run without replicas keeps its hash when it is tuned
+            shared["verification"] = doc["verification"]
         return hashlib.sha256(json.dumps(shared, sort_keys=True).encode()).hexdigest()[:16]
+
+
+TRAINING_SECTIONS = ("run", "model", "data", "inner", "outer", "averaging", "verification")
+"""The sections a run's peers share: the swarm publishes them, and a joiner takes them from it."""
+OWN_SECTIONS = ("swarm", "device", "checkpoint", "log", "metrics")
+"""The sections that are each peer's own (a volunteer's machine, network and files)."""
+OWN_FIELDS: dict[str, tuple[str, ...]] = {
+    # How long a peer waits for others, and whom it waits for, is its own business (a slow link needs longer
+    # timeouts); what goes on the wire and how reducers combine it is not.
+    "averaging": (
+        "min_group_size",
+        "target_group_size",
+        "matchmaking_time_s",
+        "request_timeout_s",
+        "matchmaking_timeout_s",
+        "allreduce_timeout_s",
+        "next_chunk_timeout_s",
+        "barrier_timeout_s",
+        "retries",
+    ),
+    "verification": ("reveal_timeout_s",),
+}
+"""Fields of the training sections that each peer may set for itself: the swarm publishes the run's values
+and a joiner starts from them, but a peer that sets others is not refused."""
 
 
 def min_corpus_bytes(context_length: int, val_fraction: float) -> int:
@@ -536,17 +585,20 @@ def deep_merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
     return merged
 
 
-def load_config(path: Path | None = None, overrides: dict[str, Any] | None = None) -> ExperimentConfig:
+def load_config(
+    path: Path | None = None, overrides: dict[str, Any] | None = None, *, base: dict[str, Any] | None = None
+) -> ExperimentConfig:
     """Resolve a config from YAML, ``P2PTRAIN_`` env vars and overrides (flags, ``--set``).
 
     Args:
         path: a YAML file; None: the built-in defaults (the default experiment).
         overrides: a nested dict, highest precedence.
+        base: in place of a YAML file: sections as a nested dict (a swarm's published experiment).
 
     Raises:
         ConfigError: one line per problem, each naming the field path.
     """
-    data = read_yaml(path) if path is not None else {}
+    data = read_yaml(path) if path is not None else (base or {})
     token = _YAML_DATA.set(data)
     try:
         return ExperimentConfig(**(overrides or {}))

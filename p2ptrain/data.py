@@ -9,25 +9,64 @@ a round train on the same window, and nobody has to send anybody an index.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
-from p2ptrain.config import DataConfig
+
+class DataSource(Protocol):
+    """Where the corpus comes from (``config.DataConfig``; config.py hashes corpora with this module)."""
+
+    @property
+    def source(self) -> str: ...
+    @property
+    def path(self) -> Path | None: ...
 
 
-def load_corpus(cfg: DataConfig) -> bytes:
+def load_corpus(cfg: DataSource) -> bytes:
     """The corpus as bytes: Python's own documentation topics, or the user's text file."""
     if cfg.source == "pydoc":
-        from pydoc_data.topics import topics
-
-        return "".join(topics[key] for key in sorted(topics)).encode("utf-8")
+        return _pydoc_bytes()
     assert cfg.path is not None  # enforced by DataConfig
     data = Path(cfg.path).read_bytes()
     if not data:
         raise ValueError(f"data.path: {cfg.path} is empty")
     return data
+
+
+def _pydoc_bytes() -> bytes:
+    from pydoc_data.topics import topics
+
+    return "".join(topics[key] for key in sorted(topics)).encode("utf-8")
+
+
+def corpus_digest(cfg: DataSource) -> str:
+    """The corpus's identity: a sha256 of its bytes (hex). Two peers agree on their data only if this agrees,
+    whatever path each gave; a file that changes under the same path gets a new digest."""
+    if cfg.source == "pydoc":
+        return _pydoc_digest()
+    assert cfg.path is not None  # enforced by DataConfig
+    path = Path(cfg.path).resolve()
+    stat = path.stat()
+    return _file_digest(path, stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=1)
+def _pydoc_digest() -> str:
+    return hashlib.sha256(_pydoc_bytes()).hexdigest()
+
+
+@functools.lru_cache(maxsize=16)  # keyed on size and mtime as well: a rewritten file is read again
+def _file_digest(path: Path, size: int, mtime_ns: int) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 @dataclass

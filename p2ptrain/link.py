@@ -18,6 +18,7 @@ from hivemind.compression import CompressionBase
 from p2ptrain import telemetry
 from p2ptrain.config import ExperimentConfig
 from p2ptrain.diloco import AverageResult
+from p2ptrain.experiment import Experiment, ExperimentRecord
 from p2ptrain.records import ProgressRecord, live
 from p2ptrain.verify import Sealed
 
@@ -44,6 +45,17 @@ class Board(Protocol):
     def records(self) -> dict[str, ProgressRecord]:
         """Every unexpired record by peer id, ``left`` ones and our own included."""
         ...
+
+    def experiments(self) -> list[Experiment]:
+        """Every experiment published in the swarm whose owner's signature holds."""
+        ...
+
+    def sign_experiment(self, cfg: ExperimentConfig) -> ExperimentRecord:
+        """``cfg``'s training sections signed by this peer: it starts the run."""
+        ...
+
+    def carry_experiment(self, record: ExperimentRecord) -> None:
+        """Keep the run's signed experiment in the swarm (republished under this peer's name)."""
 
     def shutdown(self) -> None: ...
 

@@ -40,8 +40,10 @@ from hivemind.utils.timed_storage import get_dht_time
 # hivemind's SchemaValidator speaks pydantic v1; the DHT record models use its compatibility module.
 from pydantic.v1 import BaseModel
 
+from p2ptrain import experiment
 from p2ptrain.addrs import SwarmError, is_loopback, read_maddrs_file
-from p2ptrain.config import SwarmConfig
+from p2ptrain.config import ExperimentConfig, SwarmConfig
+from p2ptrain.experiment import EXPERIMENTS_KEY, Experiment, ExperimentRecord, published, sign
 from p2ptrain.logs import get_logger
 from p2ptrain.membership import (
     SwarmKeyAuthorizer,
@@ -61,6 +63,10 @@ RecordsObserver = Callable[[dict[str, ProgressRecord]], None]
 
 class _ProgressSchema(BaseModel):
     progress: dict[BytesWithPublicKey, ProgressRecord]  # type: ignore[valid-type]
+
+
+class _ExperimentsSchema(BaseModel):
+    experiments: dict[BytesWithPublicKey, ExperimentRecord]  # type: ignore[valid-type]
 
 
 class WatchedDHT(ParentWatchdog, hivemind.DHT):
@@ -125,13 +131,14 @@ def create_dht(
         stop_dht(dht)
         raise SwarmError(
             f"no initial peer answered within {cfg.bootstrap_timeout_s:.0f}s: {', '.join(initial_peers)}{keyed}"
+            f"{_GONE if not keyed else ''}"
         ) from None
     except Exception as e:
         stop_dht(dht)
         reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
         if initial_peers:
             raise SwarmError(
-                f"could not join the swarm through {', '.join(initial_peers)}: {reason}{keyed}"
+                f"could not join the swarm through {', '.join(initial_peers)}: {reason}{keyed or _GONE}"
             ) from None
         raise SwarmError(f"could not start the DHT: {reason}") from None
     if authorizer is None:
@@ -141,6 +148,9 @@ def create_dht(
             peer_id=dht.peer_id.to_base58(),
         )
     return dht
+
+
+_GONE = " (nobody answers there: the swarm may have ended, or the address is wrong or unreachable)"
 
 
 def stop_dht(dht: hivemind.DHT) -> None:
@@ -203,6 +213,7 @@ class Swarm:
             identity_file, signer, fresh = _identity(cfg.identity_path, Path(tmp))
             validators = progress_validators(run_id, signer=signer)
             self._public_key = validators[-1].local_public_key
+            self._signer = signer
             # p2pd reads the identity at start; a temporary one is gone once the DHT is up.
             self.dht = create_dht(
                 cfg, record_validators=validators, identity_file=identity_file, fresh_identity=fresh
@@ -220,6 +231,8 @@ class Swarm:
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._heartbeat: threading.Thread | None = None
+        self._experiment: ExperimentRecord | None = None
+        self._experiment_stored = -float("inf")
 
     def subscribe(self, observer: RecordsObserver) -> None:
         """Call ``observer`` with every record (``left`` ones included) after every reading."""
@@ -238,6 +251,8 @@ class Swarm:
         while not self._stop.is_set():
             try:
                 self.publish()
+                if time.monotonic() - self._experiment_stored > self.record_ttl_s:
+                    self._store_experiment()
                 self.records()  # keeps our view fresh (and the split watch running) between the trainer's reads
             except Exception as e:  # a failed store is retried next beat; the record just ages meanwhile
                 log.warning("progress record not stored", error=repr(e))
@@ -271,6 +286,33 @@ class Swarm:
                 value=record.wire(),
                 expiration_time=get_dht_time() + self.record_ttl_s,
             )
+
+    def experiments(self) -> list[Experiment]:
+        """Every experiment published in the swarm whose owner's signature holds (``experiment.published``)."""
+        with self._lock:
+            return published(self.dht.get(EXPERIMENTS_KEY, latest=True))
+
+    def sign_experiment(self, cfg: ExperimentConfig) -> ExperimentRecord:
+        """This config's training sections, signed with our identity: we start the run."""
+        return sign(cfg, self._signer)
+
+    def carry_experiment(self, record: ExperimentRecord) -> None:
+        """Store the run's signed experiment under our subkey, now and every ``swarm.record_ttl_s``: it
+        lives in the swarm as long as one of its peers does."""
+        self._experiment = record
+        self._store_experiment()
+
+    def _store_experiment(self) -> None:
+        if self._experiment is None:
+            return
+        with self._lock:
+            self.dht.store(
+                EXPERIMENTS_KEY,
+                subkey=experiment.subkey(self._experiment.run_id, self._public_key),
+                value=self._experiment.dict(),
+                expiration_time=get_dht_time() + min(3 * self.record_ttl_s, MAX_RECORD_TTL_S),
+            )
+        self._experiment_stored = time.monotonic()
 
     def records(self) -> dict[str, ProgressRecord]:
         """Every unexpired record by peer id, ``left`` ones and our own included."""
@@ -336,30 +378,41 @@ every node of a swarm must apply the same cap (``swarm.record_ttl_s`` is at most
 
 
 class _ExpiryCap(RecordValidatorBase):
-    """Refuses a progress record that asks to be kept longer than :data:`MAX_RECORD_TTL_S` from now: a
-    peer that stops refreshing its record must be gone soon, whatever it asked for."""
+    """Refuses a progress record (or a published experiment) that asks to be kept longer than
+    :data:`MAX_RECORD_TTL_S` from now: a peer that stops refreshing its record must be gone soon, whatever it
+    asked for."""
 
-    def __init__(self, run_id: str, max_ttl_s: float = MAX_RECORD_TTL_S):
-        self._key = DHTID.generate(source=progress_key(run_id)).to_bytes()
+    def __init__(self, run_id: str | None, max_ttl_s: float = MAX_RECORD_TTL_S):
+        keys = [EXPERIMENTS_KEY] + ([progress_key(run_id)] if run_id is not None else [])
+        self._keys = {DHTID.generate(source=key).to_bytes() for key in keys}
         self.max_ttl_s = max_ttl_s
 
     def validate(self, record: DHTRecord) -> bool:
-        return record.key != self._key or record.expiration_time <= get_dht_time() + self.max_ttl_s
+        return record.key not in self._keys or record.expiration_time <= get_dht_time() + self.max_ttl_s
 
 
-def progress_validators(run_id: str, *, signer: RSAPrivateKey | None = None) -> list:
+def progress_validators(run_id: str | None, *, signer: RSAPrivateKey | None = None) -> list:
     """The DHT record validators of a run: schema-checked, and signed by the peer that owns the subkey.
 
     Every node that stores records of the run should use them (peers, the bootstrap node, status readers),
-    so that malformed or forged records are refused. The signer (last) signs our own records: a peer's
-    identity key, so that readers can check a record's peer id against it; a reader that publishes
-    nothing passes none.
+    so that malformed or forged records are refused; they cover the published experiments of every run
+    too (``experiment.py``). The signer (last) signs our own records: a peer's identity key, so that
+    readers can check a record's peer id against it; a reader that publishes nothing passes none.
+    ``run_id`` None: a reader of the published experiments only.
     """
+    schemas = [SchemaValidator(_ExperimentsSchema, prefix="p2ptrain")]  # the key p2ptrain_experiments
+    if run_id is not None:
+        schemas.insert(0, SchemaValidator(_ProgressSchema, prefix=run_id))
     return [
-        SchemaValidator(_ProgressSchema, prefix=run_id),
+        *schemas,
         _ExpiryCap(run_id),
         RSASignatureValidator(signer if signer is not None else RSAPrivateKey()),
     ]
+
+
+def published_experiments(dht: hivemind.DHT) -> list[Experiment]:
+    """Every experiment published in the swarm whose owner's signature holds."""
+    return published(dht.get(EXPERIMENTS_KEY, latest=True))
 
 
 def live_records(dht: hivemind.DHT, run_id: str) -> dict[str, ProgressRecord]:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from p2ptrain import checkpoint, protocol, telemetry, verify
+from p2ptrain import checkpoint, experiment, protocol, telemetry, verify
 from p2ptrain.compression import ErrorFeedback, codec_for, wire_parts
 from p2ptrain.config import ConfigError, ExperimentConfig
 from p2ptrain.data import Corpus, load_corpus
@@ -119,6 +119,8 @@ class Trainer:
         self.on_started = on_started
         self.connect = connect
         self.link: Link | None = None
+        self.peer_dir: checkpoint.PeerDir | None = None
+        """This peer's checkpoint directory, held while it runs (``checkpoint.dir``)."""
         self.maddrs: list[str] = []
         self.val_losses: list[tuple[int, float]] = []
         self.rounds_voided: list[int] = []
@@ -203,6 +205,8 @@ class Trainer:
 
     def setup(self) -> None:
         cfg = self.cfg
+        # First: a peer that would write into another running peer's directory must not start anything.
+        self.peer_dir = checkpoint.PeerDir.claim(cfg.checkpoint.dir, cfg.run.run_id)
         self.device = pick_device(cfg.device.kind)
         self.corpus = Corpus.from_bytes(
             load_corpus(cfg.data), cfg.model.context_length, cfg.data.val_fraction
@@ -270,6 +274,30 @@ class Trainer:
             maddrs=self.maddrs,
             config_hash=cfg.training_hash(),
         )
+        self.agree_on_experiment()
+
+    def agree_on_experiment(self) -> None:
+        """Train the swarm's experiment or nothing: refuse a config whose training sections differ from the
+        one the swarm publishes for our run_id; publish ours if it has none (we start the run). Then carry
+        it, so that it outlives whoever published it.
+
+        Raises:
+            ConfigError: our training sections differ from the swarm's (the message names the fields).
+        """
+        published = experiment.choose(self.board.experiments(), self.cfg.run.run_id)
+        if published is None:
+            record = self.board.sign_experiment(self.cfg)
+            self.log.info("published the run's experiment", run_id=self.cfg.run.run_id)
+        else:
+            experiment.check(self.cfg, published)
+            record = published.record
+            self.log.info(
+                "the swarm's experiment is ours",
+                run_id=published.run_id,
+                owner=published.owner[-8:],
+                carried_by=len(published.publishers),
+            )
+        self.board.carry_experiment(record)
 
     def join_swarm(self) -> None:
         """Publish ourselves, and wait for the swarm's records (and ``swarm.min_peers``) to show up."""
@@ -979,10 +1007,12 @@ class Trainer:
         return RunResult(Outcome.STRANDED, path, reason)
 
     def shutdown(self) -> None:
-        """Stop the averager, the heartbeat, the DHT child and p2pd. Safe to call twice."""
+        """Stop the averager, the heartbeat, the DHT child and p2pd; let go of our directory. Safe to call twice."""
         if self.link is not None:
             self.link.shutdown()
             self.link = None
+        if self.peer_dir is not None:
+            self.peer_dir.release()
 
     # ------------------------------------------------------------------------------ state moves
 
@@ -1222,4 +1252,5 @@ class Trainer:
 
     @property
     def checkpoint_dir(self) -> Path:
-        return Path(self.cfg.checkpoint.dir)
+        assert self.peer_dir is not None, "setup() claims it"
+        return self.peer_dir.path

@@ -11,6 +11,7 @@ or a model file, its record stays until it expires, and it serves nothing from t
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import Callable
@@ -20,11 +21,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from hivemind.utils.crypto import RSAPrivateKey
 
 from p2ptrain.aggregation import aggregator
 from p2ptrain.compression import roundtrip
 from p2ptrain.config import ExperimentConfig, load_config
 from p2ptrain.diloco import AverageResult, AveragingFailed
+from p2ptrain.experiment import Experiment, ExperimentRecord, sign, verified
 from p2ptrain.link import Link
 from p2ptrain.records import PART_DIGEST_BYTES, PeerState, ProgressRecord
 from p2ptrain.trainer import RunResult, Trainer
@@ -183,6 +186,12 @@ class _Peer:
         )
 
 
+@functools.cache
+def _owner_key() -> RSAPrivateKey:
+    """One signing key for every in-memory peer: an RSA key takes a while to make, and only signatures count."""
+    return RSAPrivateKey()
+
+
 class MemoryBoard:
     def __init__(self, peer: _Peer):
         self._peer = peer
@@ -228,6 +237,16 @@ class MemoryBoard:
             if peer.records_after_done == 2:  # finish() read the swarm once and wrote final.safetensors
                 peer.hit(Point.FINISHED, peer.status["round"])
         return self._read()
+
+    def experiments(self) -> list[Experiment]:
+        self._peer.check_alive()
+        return self._peer.swarm.experiments()
+
+    def sign_experiment(self, cfg: ExperimentConfig) -> ExperimentRecord:
+        return sign(cfg, _owner_key())
+
+    def carry_experiment(self, record: ExperimentRecord) -> None:
+        self._peer.swarm.carry(self._peer.peer_id, record)
 
     def _read(self) -> dict[str, ProgressRecord]:
         records = self._peer.swarm.read()
@@ -326,9 +345,24 @@ class MemorySwarm:
         """(round, the members whose parts made the average) of every all-reduce that produced one."""
         self.sealed: dict[tuple[str, int], dict[str, Sealed]] = {}
         """(peer, round) -> what each groupmate sealed about its parts, by that peer's verdict."""
+        self._carried: dict[str, ExperimentRecord] = {}
+        """peer -> the experiment it carries (as under its subkey of p2ptrain_experiments)."""
         self._lock = threading.Condition()
 
     # --- the board
+    def carry(self, peer_id: str, record: ExperimentRecord) -> None:
+        with self._lock:
+            self._carried[peer_id] = record
+
+    def experiments(self) -> list[Experiment]:
+        with self._lock:
+            carried = dict(self._carried)
+        by_record: dict[str, tuple[ExperimentRecord, set[str]]] = {}
+        for peer_id, record in carried.items():
+            by_record.setdefault(record.json(), (record, set()))[1].add(peer_id)
+        found = (verified(record, frozenset(peers)) for record, peers in by_record.values())
+        return [e for e in found if e is not None]
+
     def publish(self, peer: _Peer) -> None:
         with self._lock:
             if peer.dead.is_set() or (peer.gone.is_set() and peer.status["state"] != PeerState.LEFT):

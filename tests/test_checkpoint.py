@@ -1,10 +1,15 @@
 import json
+import os
+import signal
+import time
+from pathlib import Path
 
 import pytest
 import torch
 
 from p2ptrain import checkpoint
-from p2ptrain.config import ExperimentConfig
+from p2ptrain.checkpoint import PeerDir
+from p2ptrain.config import ConfigError, ExperimentConfig
 from p2ptrain.diloco import DiLoCo
 from p2ptrain.models import build_model
 
@@ -195,3 +200,38 @@ def safe_open_metadata(path):
             yield dict(f.metadata())
 
     return opened()
+
+
+def test_each_peer_gets_a_directory_of_its_own_and_a_restarted_one_takes_its_back(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    first, second = PeerDir.claim(None, "run"), PeerDir.claim(None, "run")
+    assert (first.path, second.path) == (Path("checkpoints/run/peer-0"), Path("checkpoints/run/peer-1"))
+    first.release()  # as the kernel does when its peer exits, even by kill -9
+    again = PeerDir.claim(None, "run")
+    assert again.path == Path("checkpoints/run/peer-0")
+    with pytest.raises(
+        ConfigError,
+        match=f"checkpoint.dir checkpoints/run/peer-1: another running peer \\(pid {os.getpid()}\\)",
+    ):
+        PeerDir.claim(Path("checkpoints/run/peer-1"), "run")
+    for held in (second, again):
+        held.release()
+
+
+def test_a_forked_child_does_not_keep_its_parents_directory(tmp_path):
+    held = PeerDir.claim(tmp_path / "peer", "run")
+    ready, say_ready = os.pipe()
+    child = os.fork()
+    if child == 0:  # as hivemind's DHT and averager children: they outlive a killed parent for a while
+        os.write(say_ready, b"1")  # the fork's handlers have run
+        time.sleep(60)
+        os._exit(0)
+    try:
+        assert os.read(ready, 1) == b"1"
+        held.release()
+        PeerDir.claim(tmp_path / "peer", "run").release()  # the child's copy of the lock was closed at fork
+    finally:
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
+        os.close(ready)
+        os.close(say_ready)

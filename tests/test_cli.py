@@ -116,3 +116,28 @@ def test_an_unwritable_maddrs_file_is_one_line_before_any_dht_starts(tmp_path):
     assert one_line_error(out) == [
         f"error: --maddrs-file {blocker / 'dht.maddrs'}: cannot write it ({blocker} is not a directory)"
     ]
+
+
+def test_a_volunteers_file_of_its_own_sections_joins_the_swarms_experiment(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from p2ptrain import cli
+    from tests.conftest import ROOT
+
+    assert cli.own_settings_only(ROOT / "deploy" / "experiment.example.yaml")
+    assert not cli.own_settings_only(ROOT / "configs" / "tiny.yaml")
+    asked = []
+
+    def swarm_experiment(overrides):
+        asked.append(overrides)
+        raise cli.typer.Exit(0)
+
+    monkeypatch.setattr(cli, "swarm_experiment", swarm_experiment)
+    volunteer = tmp_path / "volunteer.yaml"
+    volunteer.write_text("run: {run_id: their-run}\ndevice: {num_threads: 2}\n")
+    result = CliRunner().invoke(
+        cli.app, ["join", "--config", str(volunteer), "--initial-peers", "/ip4/1.2.3.4/tcp/1/p2p/x"]
+    )
+    assert result.exit_code == 0, result.output
+    assert asked[-1]["run"] == {"run_id": "their-run"} and asked[-1]["device"] == {"num_threads": 2}
+    assert asked[-1]["swarm"]["initial_peers"] == ["/ip4/1.2.3.4/tcp/1/p2p/x"]

@@ -160,12 +160,14 @@ def test_a_record_counts_only_for_the_identity_that_signed_it():
 
 
 def test_no_node_stores_a_record_that_asks_to_outlive_the_cap():
-    schema, cap, signer = progress_validators("run")
+    *_, cap, signer = progress_validators("run")
     from hivemind.dht.routing import DHTID
 
     key = DHTID.generate(source="run_progress").to_bytes()
+    experiments = DHTID.generate(source="p2ptrain_experiments").to_bytes()
     other_key = DHTID.generate(source="run_diloco.0b1").to_bytes()
     now = get_dht_time()
-    assert cap.validate(DHTRecord(key, b"s", b"v", now + 590))
-    assert not cap.validate(DHTRecord(key, b"s", b"v", now + 3600))
-    assert cap.validate(DHTRecord(other_key, b"s", b"v", now + 3600)), "only the run's progress records"
+    for capped in (key, experiments):
+        assert cap.validate(DHTRecord(capped, b"s", b"v", now + 590))
+        assert not cap.validate(DHTRecord(capped, b"s", b"v", now + 3600))
+    assert cap.validate(DHTRecord(other_key, b"s", b"v", now + 3600)), "only records and experiments"

@@ -63,7 +63,7 @@ def workdir(tmp_path_factory):
     model = build_model("gpt-nano", 16)
     diloco = DiLoCo(model, lr=0.7, momentum=0.9, nesterov=True)
     for path in [
-        "checkpoints/final.safetensors",
+        "checkpoints/p2ptrain-tiny/peer-0/final.safetensors",
         "runs/demo/peer0/final.safetensors",
         "runs/demo/peer1/final.safetensors",
     ]:

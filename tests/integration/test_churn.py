@@ -44,6 +44,12 @@ def test_kill9_in_the_inner_phase_leaves_no_orphans_and_the_restarted_peer_catch
     # hivemind alone would leave the DHT child and p2pd running forever; the watchdogs end them.
     assert not wait_until_gone(victim_children, timeout_s=60), "children outlived a SIGKILLed peer"
 
+    # Restart once the survivors have averaged the victim's round without it: the restarted peer is then behind.
+    killed_in = max(s["round"] for s in victim.outer_steps()) + 1
+    deadline = time.monotonic() + 120
+    while not any(s["round"] >= killed_in for s in peers[0].outer_steps()):
+        assert peers[0].proc.poll() is None and time.monotonic() < deadline, peers[0].tail()
+        time.sleep(0.1)
     restarted = spawn(*args(2), name="p2-restarted")
     for name, p in (("p0", peers[0]), ("p1", peers[1]), ("p2", restarted)):
         assert p.wait(240) == 0, f"{name}: {p.tail()}"

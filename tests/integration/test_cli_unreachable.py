@@ -34,3 +34,4 @@ def test_unreachable_initial_peer_is_a_clear_error_not_a_hang(tmp_path):
     assert out.returncode == 1 and "Traceback" not in out.stderr
     errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
     assert errors and "could not join the swarm through" in errors[0] and nobody in errors[0]
+    assert "the swarm may have ended" in errors[0]

@@ -1,0 +1,173 @@
+"""The swarm's published experiment: signed by its owner, chosen by how many peers carry it, and a joiner's
+config made from it or refused with the fields that differ (p2ptrain/experiment.py)."""
+
+import dataclasses
+import os
+from types import SimpleNamespace
+
+import pytest
+from hivemind.dht.schema import RSASignatureValidator
+from hivemind.utils.crypto import RSAPrivateKey
+from hivemind.utils.timed_storage import ValueWithExpiration
+
+from p2ptrain.config import ConfigError, load_config
+from p2ptrain.experiment import (
+    ExperimentError,
+    check,
+    choose,
+    config_for,
+    published,
+    sign,
+    subkey,
+    verified,
+)
+from p2ptrain.membership import peer_id_of
+
+TINY = {
+    "run": {"run_id": "exp-test"},
+    "model": {"name": "gpt-nano", "context_length": 32},
+    "inner": {"num_inner_steps": 5, "batch_size": 8},
+    "outer": {"num_rounds": 3},
+}
+
+
+@pytest.fixture(scope="module")
+def keys():
+    return [RSAPrivateKey() for _ in range(3)]
+
+
+def cfg_of(**changes):
+    sections = {k: dict(v) for k, v in TINY.items()}
+    for dotted, value in changes.items():
+        section, name = dotted.split("__")
+        sections.setdefault(section, {})[name] = value
+    return load_config(None, sections)
+
+
+def carried(*entries):
+    """A DHT value of p2ptrain_experiments: (publisher key, record) pairs."""
+    value = {}
+    for key, record in entries:
+        marker = RSASignatureValidator(key).local_public_key
+        value[subkey(record.run_id, marker)] = ValueWithExpiration(record.dict(), 0.0)
+    return SimpleNamespace(value=value)
+
+
+def test_a_signed_experiment_verifies_and_names_its_owner(keys):
+    record = sign(cfg_of(), keys[0])
+    found = verified(record)
+    assert found is not None and found.run_id == "exp-test"
+    assert found.owner == peer_id_of(keys[0].get_public_key())
+    assert found.sections["model"]["name"] == "gpt-nano" and "path" not in found.sections["data"]
+    assert len(found.sections["data"]["sha256"]) == 64
+
+
+def test_a_tampered_or_forged_experiment_is_refused(keys):
+    record = sign(cfg_of(), keys[0])
+    assert (
+        verified(record.copy(update={"sections": record.sections.replace('"lr":0.002', '"lr":0.2')})) is None
+    )
+    other = sign(cfg_of(**{"inner__lr": 0.2}), keys[1])
+    assert verified(record.copy(update={"signature": other.signature})) is None, "another key's signature"
+    assert verified(record.copy(update={"owner_key": other.owner_key})) is None
+    assert verified(record.copy(update={"run_id": "other-run"})) is None, "signed for another run"
+    assert verified(record.copy(update={"created": record.created + 1})) is None
+
+
+def test_published_counts_the_peers_that_carry_each_experiment(keys):
+    mine = sign(cfg_of(), keys[0])
+    theirs = sign(cfg_of(**{"inner__lr": 0.2}), keys[2])
+    found = published(carried((keys[0], mine), (keys[1], mine), (keys[2], theirs)))
+    by_owner = {e.owner: e for e in found}
+    assert len(by_owner[peer_id_of(keys[0].get_public_key())].publishers) == 2
+    assert len(by_owner[peer_id_of(keys[2].get_public_key())].publishers) == 1
+    assert choose(found, "exp-test").record == mine, "the experiment most peers carry"
+
+
+def test_a_record_filed_under_another_runs_subkey_or_forged_is_skipped(keys):
+    record = sign(cfg_of(), keys[0])
+    value = carried((keys[0], record)).value
+    marker = RSASignatureValidator(keys[1]).local_public_key
+    value[b"other-run" + marker] = ValueWithExpiration(record.dict(), 0.0)
+    forged = record.dict() | {"signature": b"x" * 256}
+    value[b"exp-test" + RSASignatureValidator(keys[2]).local_public_key] = ValueWithExpiration(forged, 0.0)
+    value[b"exp-test"] = ValueWithExpiration(record.dict(), 0.0)  # no publisher
+    (found,) = published(SimpleNamespace(value=value))
+    assert found.publishers == {peer_id_of(keys[0].get_public_key())}
+
+
+def test_choose_needs_a_run_id_when_the_swarm_trains_several(keys):
+    a = verified(sign(cfg_of(), keys[0]))
+    b = verified(sign(cfg_of(**{"run__run_id": "other"}), keys[1]))
+    assert a is not None and b is not None
+    with pytest.raises(ExperimentError, match="several runs \\(exp-test, other\\).*--run-id"):
+        choose([a, b])
+    assert choose([a, b], "other") == b
+    assert choose([a], None) == a
+    assert choose([a], "missing") is None
+    older = dataclasses.replace(a, created=a.created - 10, digest="z")
+    assert choose([a, older], "exp-test") == older, "a tie goes to the earliest"
+
+
+def test_a_config_that_differs_is_refused_naming_every_field(keys):
+    published_ = verified(sign(cfg_of(), keys[0]))
+    assert published_ is not None
+    check(cfg_of(), published_)
+    with pytest.raises(ConfigError) as e:
+        check(cfg_of(**{"inner__lr": 0.001, "outer__num_rounds": 5}), published_)
+    message = str(e.value)
+    assert "\n" not in message
+    assert "inner.lr: 0.001 here, 0.002 in the swarm" in message
+    assert "outer.num_rounds: 5 here, 3 in the swarm" in message
+    assert "exp-test" in message
+
+
+def test_timeouts_and_group_sizes_are_each_peers_own(keys):
+    published_ = verified(sign(cfg_of(**{"averaging__allreduce_timeout_s": 90.0}), keys[0]))
+    assert published_ is not None
+    check(cfg_of(**{"averaging__target_group_size": 3, "verification__reveal_timeout_s": 5.0}), published_)
+    with pytest.raises(ConfigError, match="averaging.compression"):
+        check(cfg_of(**{"averaging__compression": "int4"}), published_)
+
+
+def test_a_joiner_takes_the_swarms_sections_and_its_own(keys):
+    owner_cfg = cfg_of(**{"averaging__allreduce_timeout_s": 90.0, "inner__lr": 0.003})
+    published_ = verified(sign(owner_cfg, keys[0]))
+    assert published_ is not None
+    cfg = config_for(published_, {"device": {"num_threads": 1}, "averaging": {"retries": 0}})
+    assert cfg.agreed_sections() == owner_cfg.agreed_sections()
+    assert cfg.averaging.allreduce_timeout_s == 90.0, "the run's own values are a joiner's defaults"
+    assert cfg.averaging.retries == 0 and cfg.device.num_threads == 1
+    with pytest.raises(ConfigError, match="inner.lr: 0.01 here, 0.003 in the swarm"):
+        config_for(published_, {"inner": {"lr": 0.01}})
+
+
+def test_a_joiner_gives_its_copy_of_a_text_corpus_checked_by_content(keys, tmp_path, monkeypatch):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_bytes(b"the swarm's corpus. " * 500)
+    published_ = verified(sign(cfg_of(**{"data__source": "text", "data__path": str(corpus)}), keys[0]))
+    assert published_ is not None
+    with pytest.raises(ConfigError, match="trains on a text file .*--set data.path=FILE"):
+        config_for(published_, {})
+    copy = tmp_path / "elsewhere" / "mine.txt"
+    copy.parent.mkdir()
+    copy.write_bytes(corpus.read_bytes())
+    monkeypatch.chdir(tmp_path)
+    assert config_for(published_, {"data": {"path": os.path.relpath(copy)}}).data.path is not None
+    other = tmp_path / "other.txt"
+    other.write_bytes(b"another corpus, same size " * 385)
+    with pytest.raises(ConfigError, match="data.sha256: .* here, .* in the swarm.*holds other data"):
+        config_for(published_, {"data": {"path": str(other)}})
+
+
+def test_the_training_hash_follows_the_data_not_its_path(tmp_path, monkeypatch):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_bytes(b"some text for the hash. " * 400)
+    monkeypatch.chdir(tmp_path)
+    relative = cfg_of(**{"data__source": "text", "data__path": "corpus.txt"})
+    absolute = cfg_of(**{"data__source": "text", "data__path": str(corpus)})
+    assert relative.training_hash() == absolute.training_hash()
+    before = absolute.training_hash()
+    corpus.write_bytes(b"other text under that path " * 400)
+    os.utime(corpus, ns=(1, 1))  # a new mtime, whatever the clock's resolution
+    assert absolute.training_hash() != before
