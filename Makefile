@@ -47,6 +47,7 @@ bench: $(STAMP)
 	$(BIN)/python -m bench.round_warmup
 	$(BIN)/python -m bench.replicas
 	$(BIN)/python -m bench.verification
+	$(BIN)/python -m bench.heterogeneous
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

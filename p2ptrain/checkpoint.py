@@ -383,14 +383,18 @@ def candidates(directory: Path, *, resumable_only: bool = True) -> list[Path]:
     return sorted(files, key=lambda f: f.stat().st_mtime, reverse=True)
 
 
-def read_swarm_memory(path: Path) -> dict:
-    """What the peer that wrote ``path`` had seen of the swarm ({} if the file does not say, or is unreadable)."""
+def read_swarm_memory(path: Path, config_hash: str) -> dict:
+    """What the peer that wrote ``path`` had seen of the swarm ({} if the file does not say, is unreadable, or
+    belongs to another experiment: what a peer saw of another run says nothing about this one)."""
     try:
         from safetensors import safe_open
 
         with safe_open(str(path), framework="pt") as f:
-            saved = json.loads((f.metadata() or {}).get("swarm", "{}"))
+            metadata = f.metadata() or {}
+            saved = json.loads(metadata.get("swarm", "{}"))
     except (SafetensorError, OSError, ValueError):
+        return {}
+    if metadata.get("config_hash") != config_hash:
         return {}
     return saved if isinstance(saved, dict) else {}
 

@@ -107,7 +107,13 @@ class InnerConfig(_Section):
     batch_size: int = Field(default=16, ge=1)
     """Sequences per inner step on this peer."""
     num_inner_steps: int = Field(default=15, ge=1)
-    """H: inner steps per round before the peers average their pseudo-gradients."""
+    """H: inner steps per round before the peers average their pseudo-gradients (with inner.round_seconds:
+    the most a peer does in a round; it also bounds the weight a peer may claim)."""
+    round_seconds: float | None = Field(default=None, gt=0.0)
+    """Rounds by time: each peer trains a round's inner phase for this many seconds, then stops, instead of
+    doing exactly inner.num_inner_steps steps. A fast device does more steps and a slow one fewer (at least
+    one, at most inner.num_inner_steps), each weighted by the samples it processed, so that nobody waits for
+    the slowest. None: every peer does inner.num_inner_steps steps (rounds by steps)."""
     grad_clip: float = Field(default=1.0, ge=0.0)
     """Clip the gradient norm to this value; 0 turns clipping off."""
 
@@ -411,6 +417,11 @@ class ExperimentConfig(BaseSettings):
 
     @model_validator(mode="after")
     def _check_verification(self) -> ExperimentConfig:
+        if self.verification.replicas > 1 and self.inner.round_seconds is not None:
+            raise ValueError(
+                f"inner.round_seconds needs verification.replicas 1 (got {self.verification.replicas}): replicas "
+                "of a shard must do the same number of steps, and a round by time gives each peer its own"
+            )
         if self.verification.replicas > 1 and self.model.dropout > 0:
             raise ValueError(
                 f"verification.replicas {self.verification.replicas} needs model.dropout 0 (got "

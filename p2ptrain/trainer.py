@@ -120,6 +120,8 @@ class Trainer:
         self.connect = connect
         self.link: Link | None = None
         self.peer_dir: checkpoint.PeerDir | None = None
+        self._next_deadline: float | None = None
+        """With ``inner.round_seconds``: when the next inner phase ends (set when an all-reduce ends)."""
         """This peer's checkpoint directory, held while it runs (``checkpoint.dir``)."""
         self.maddrs: list[str] = []
         self.val_losses: list[tuple[int, float]] = []
@@ -380,7 +382,8 @@ class Trainer:
         return None
 
     def inner_phase(self) -> RoundStats:
-        """H local AdamW steps on this peer's shard of the round.
+        """H local AdamW steps on this peer's shard of the round; with ``inner.round_seconds``, as many as fit
+        in that time (at least one, at most H).
 
         In a verifiable round the shard comes from the round's assignment, and the inner optimizer and the
         learning rate start afresh (the lr ramping up over ``verification.round_warmup_steps``): what a
@@ -412,10 +415,13 @@ class Trainer:
             terminal_progress_enabled(cfg.log.format), total=cfg.inner.num_inner_steps, round=self.round
         )
         running_loss = lambda: float(loss_sum) / max(stats.steps, 1)  # noqa: E731 - read only when the bar redraws
+        deadline = self._round_deadline(stats.started)
+        step_s = 0.0  # how long our last step took: we stop before one that would end well past the deadline
         with bar:
             for _ in range(cfg.inner.num_inner_steps):
-                if self.stop.is_set():
+                if self.stop.is_set() or (stats.steps and time.monotonic() + step_s / 2 >= deadline):
                     break
+                step_started = time.monotonic()
                 x, y = next(batches)
                 loss = inner_step(
                     self.model,
@@ -428,6 +434,7 @@ class Trainer:
                     autocast_dtype=dtype,
                 )
                 loss_sum.add_(loss)
+                step_s = time.monotonic() - step_started  # without a host sync: a bound, on accelerators
                 self.inner_steps_total += 1
                 stats.steps += 1
                 stats.samples += cfg.inner.batch_size
@@ -451,6 +458,15 @@ class Trainer:
             samples_per_s=stats.samples / max(stats.inner_s, 1e-9),
         )
         return stats
+
+    def _round_deadline(self, started: float) -> float:
+        """When this round's inner phase ends: with ``inner.round_seconds``, that long after we left the last
+        barrier (or after we started, when we did not just average: a newcomer, a peer that loaded state);
+        without it, never (``inner.num_inner_steps`` steps)."""
+        deadline, self._next_deadline = self._next_deadline, None
+        if not self.cfg.inner.round_seconds:
+            return float("inf")
+        return deadline if deadline is not None else started + self.cfg.inner.round_seconds
 
     def barrier(self) -> list[ProgressRecord] | None:
         """Wait for this round's other peers to finish their inner phase; return the group to average with.
@@ -868,6 +884,12 @@ class Trainer:
                 fallback=self._may_step_alone,
             )
         stats.sync_s = time.monotonic() - t0
+        if self.cfg.inner.round_seconds:
+            # The next round's deadline counts from the moment we left the barrier, as every member of the group
+            # did, within a poll of each other: our all-reduce, evaluation and bookkeeping come out of our own
+            # training time (a slow device is slow at those too), not out of the others' (they would wait for us
+            # at the next barrier).
+            self._next_deadline = t0 + self.cfg.inner.round_seconds
         self._reputation_at_step = self.reputation.to_dict()
         new = set(report.refused) - self.refused - self.reputation.banned
         if new:
@@ -1023,7 +1045,7 @@ class Trainer:
         though it is never resumed from): a peer left behind before its restart is still behind.
         """
         for i, path in enumerate(checkpoint.candidates(self.checkpoint_dir, resumable_only=False)):
-            saved = checkpoint.read_swarm_memory(path)
+            saved = checkpoint.read_swarm_memory(path, self.cfg.training_hash())
             self.memory.restore(saved)
             if i == 0:  # the newest file's reputation (candidates come newest first)
                 self.reputation.restore(saved.get("reputation"))
@@ -1093,6 +1115,7 @@ class Trainer:
             telemetry.STATE_LOADS.inc()
             telemetry.ROUND.set(self.round)
             self.loads.append((why, self.round))
+            self._next_deadline = None  # that all-reduce was not ours: the next round counts from its start
             self.log.info(
                 "loaded state",
                 why=why,

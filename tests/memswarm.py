@@ -345,6 +345,8 @@ class MemorySwarm:
         """(round, the members whose parts made the average) of every all-reduce that produced one."""
         self.sealed: dict[tuple[str, int], dict[str, Sealed]] = {}
         """(peer, round) -> what each groupmate sealed about its parts, by that peer's verdict."""
+        self.weights: dict[tuple[str, int], float] = {}
+        """(peer, round) -> the weight that peer joined the round's all-reduce with."""
         self._carried: dict[str, ExperimentRecord] = {}
         """peer -> the experiment it carries (as under its subkey of p2ptrain_experiments)."""
         self._lock = threading.Condition()
@@ -396,6 +398,7 @@ class MemorySwarm:
                     round, time.monotonic() + cfg.matchmaking_time_s, cfg.target_group_size
                 )
             group.members.append((peer, tensors, weight))
+            self.weights[(peer.name, round)] = weight
             group.wires[peer.peer_id] = sent
             if len(group.members) >= group.target or self._everyone_ready_is_in(group):
                 self._close(group, cfg.min_group_size)

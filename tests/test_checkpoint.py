@@ -235,3 +235,16 @@ def test_a_forked_child_does_not_keep_its_parents_directory(tmp_path):
         os.waitpid(child, 0)
         os.close(ready)
         os.close(say_ready)
+
+
+def test_what_a_peer_saw_of_another_experiment_is_not_restored(tmp_path):
+    model = build_model("gpt-nano", 16)
+    diloco = DiLoCo(model, lr=0.7, momentum=0.9, nesterov=True)
+    cfg = ExperimentConfig()
+    cfg.model.name, cfg.model.context_length = "gpt-nano", 16
+    seen = {"highest_round": 3}
+    checkpoint.save(tmp_path / "final.safetensors", model, diloco, cfg, swarm=seen)
+    assert checkpoint.read_swarm_memory(tmp_path / "final.safetensors", cfg.training_hash()) == seen
+    other = cfg.model_copy(deep=True)
+    other.run.run_id = "another-run"
+    assert checkpoint.read_swarm_memory(tmp_path / "final.safetensors", other.training_hash()) == {}

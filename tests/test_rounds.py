@@ -7,6 +7,7 @@ final.safetensors; no round is applied twice; the swarm learned.
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -68,6 +69,37 @@ def test_three_peers_train_every_round_together(tmp_path):
     for p in peers.values():
         assert p.trainer.rounds_applied == [0, 1, 2, 3]
         assert p.trainer.last_group_size == 3
+
+
+def test_rounds_by_time_a_slow_peer_does_fewer_steps_weighted_by_its_samples_and_nobody_waits_for_it(
+    tmp_path, monkeypatch
+):
+    from p2ptrain import trainer
+
+    steps: dict[str, int] = {}
+    real_step = trainer.inner_step
+
+    def inner_step(*args, **kwargs):
+        name = threading.current_thread().name
+        steps[name] = steps.get(name, 0) + 1
+        if name == "trainer-slow":
+            time.sleep(0.2)  # a device many times slower than the others: at most 3 steps a round
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(trainer, "inner_step", inner_step)
+    swarm = MemorySwarm()
+    by_time = {"inner": {"round_seconds": 0.4, "num_inner_steps": 100_000, "batch_size": 4}}
+    peers = start(swarm, tmp_path, ["fast", "slow"], **by_time)
+    finish(peers)
+    assert_swarm_contract(tmp_path, peers, ["fast", "slow"])
+    for p in peers.values():
+        assert p.trainer.rounds_applied == [0, 1, 2, 3] and p.trainer.last_group_size == 2
+    fast, slow = steps["trainer-fast"], steps["trainer-slow"]
+    assert 4 <= slow < fast, f"each did what fit in its rounds: fast {fast} steps, slow {slow}"
+    for round_ in range(4):  # weighted by the samples each processed, not by a fixed H
+        assert swarm.weights[("slow", round_)] < swarm.weights[("fast", round_)]
+    assert sum(swarm.weights[("slow", r)] for r in range(4)) == 4 * slow
+    assert sum(swarm.weights[("fast", r)] for r in range(4)) == 4 * fast
 
 
 def test_a_late_joiner_loads_the_swarms_state_and_trains_with_it(tmp_path):
