@@ -289,6 +289,7 @@ class ExactAllReduceRunner(AllReduceRunner):
             if sealed is None:
                 problem = "it sealed nothing in this round"
             else:
+                assert part is not None  # part_problem found none: it decoded
                 digest = part_digest(msg.tensor_part)
                 problem = sent_problem(sealed, self._first_part + index, digest, part, self._layout)
         return part, weight, problem
@@ -647,7 +648,7 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
         unbind("round")  # inherited at fork time; this process does not follow the trainer's rounds
         # Forked before the trainer bound it: say whose lines these are.
         bind(peer_id=self.peer_id.to_base58()[-8:])
-        self._inner_pipe = _WholeMessages(self._inner_pipe)
+        self._inner_pipe = _WholeMessages(self._inner_pipe)  # type: ignore[has-type]  # hivemind's, untyped
         super().run()
 
     def get_current_state(self):

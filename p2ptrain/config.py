@@ -329,6 +329,9 @@ class DeviceConfig(_Section):
     """Autocast dtype of the inner forward pass. Master params and pseudo-gradients stay float32 on CPU."""
     num_threads: int | None = Field(default=None, ge=1)
     """Cap on torch's CPU threads (None: torch's default). The demo sets it so that peers share a machine fairly."""
+    benchmark_steps: int = Field(default=3, ge=0)
+    """Inner steps of the run's model timed on a copy of it when the peer starts: its speed (samples/s and an
+    estimate of FLOP/s) goes into its record, `p2ptrain status` and the metrics. 0: no benchmark."""
 
 
 class CheckpointConfig(_Section):

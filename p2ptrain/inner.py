@@ -6,6 +6,8 @@ that a benchmark measures what a peer does, not a copy of it that has drifted.
 
 from __future__ import annotations
 
+import copy
+import time
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -80,3 +82,53 @@ def inner_step(
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return loss.detach()
+
+
+def benchmark_device(
+    model: nn.Module,
+    cfg: InnerConfig,
+    *,
+    context_length: int,
+    steps: int,
+    autocast_dtype: torch.dtype = torch.float32,
+) -> tuple[float, float]:
+    """This device's speed at ``model``'s inner steps: (samples/s, FLOP/s), the latter estimated as 6 x params x
+    tokens per second (forward and backward of a transformer, attention left out). Times ``steps`` steps of a
+    copy of the model on random tokens, after one untimed step: the model, its optimizer and the random number
+    generators that training draws from are untouched."""
+    probe = copy.deepcopy(model)
+    params = [p for p in probe.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr)
+    device = next(probe.parameters()).device
+    vocab = next((m.num_embeddings for m in probe.modules() if isinstance(m, nn.Embedding)), 256)
+    tokens = torch.randint(
+        vocab, (cfg.batch_size, context_length + 1), generator=torch.Generator().manual_seed(0)
+    )
+    x, y = tokens[:, :-1].to(device), tokens[:, 1:].to(device)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # dropout draws from it
+        started = 0.0
+        for i in range(steps + 1):
+            if i == 1:  # the first step pays for allocations and kernels' warm-up
+                _synchronize(device)
+                started = time.perf_counter()
+            inner_step(
+                probe,
+                params,
+                optimizer,
+                x,
+                y,
+                lr=cfg.lr,
+                grad_clip=cfg.grad_clip,
+                autocast_dtype=autocast_dtype,
+            )
+        _synchronize(device)
+    seconds = max(time.perf_counter() - started, 1e-9)
+    samples_per_s = steps * cfg.batch_size / seconds
+    return samples_per_s, 6.0 * sum(p.numel() for p in params) * samples_per_s * context_length
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()

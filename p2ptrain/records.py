@@ -25,6 +25,8 @@ MAX_COUNT = 2**53
 """Largest integer a record may carry (exact in a float64, far beyond any real sample count)."""
 MAX_RATE = 1e12
 """Largest throughput a record may claim, in samples per second."""
+MAX_FLOPS = 1e20
+"""Largest compute speed a record may claim, in FLOP/s."""
 SKETCH_VALUES = 1024
 """Values in a verification sketch (verify.SKETCH_WIDTH)."""
 MAX_WIRE_PARTS = SKETCH_VALUES
@@ -81,6 +83,15 @@ class ProgressRecord(BaseModel):
     """Short hash of the sorted ids of the live peers this peer sees (see :class:`SplitWatch`)."""
     serves: StrictBool = True
     """Whether it serves its state: False for a client-mode peer, which nobody can download from."""
+    # What it contributes (`p2ptrain status`, the dashboard): seed 002's "who contributes what".
+    benchmark_samples_per_s: confloat(strict=True, ge=0.0, le=MAX_RATE) = 0.0  # type: ignore[valid-type]
+    """Its device's speed at the run's model, measured when it started (``inner.benchmark_device``)."""
+    benchmark_flops: confloat(strict=True, ge=0.0, le=MAX_FLOPS) = 0.0  # type: ignore[valid-type]
+    """The same in FLOP/s, estimated (6 x params x tokens per second)."""
+    compute_s: confloat(strict=True, ge=0.0, le=float(MAX_COUNT)) = 0.0  # type: ignore[valid-type]
+    """Seconds it has spent in inner phases of this run."""
+    rounds_contributed: conint(strict=True, ge=0, le=MAX_COUNT) = 0  # type: ignore[valid-type]
+    """Rounds of this run whose outer step it applied with its own pseudo-gradient."""
     # A verifiable round's claims (verification.replicas > 1; verify.judge_round reads them), empty otherwise.
     numeric_class: constr(strict=True, max_length=32) = ""  # type: ignore[valid-type]
     """Where it trains: device/dtype (cpu/float32, cuda/bfloat16...). Replicas of one class agree closer."""

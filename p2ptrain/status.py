@@ -20,6 +20,10 @@ def summarize(run_id: str, records: dict[str, ProgressRecord], now: float | None
             "round": r.round,
             "samples_per_s": round(r.samples_per_s, 2),
             "samples_total": r.samples_total,
+            "benchmark_samples_per_s": round(r.benchmark_samples_per_s, 1),
+            "benchmark_gflops": round(r.benchmark_flops / 1e9, 2),
+            "compute_s": round(r.compute_s, 1),
+            "rounds_contributed": r.rounds_contributed,
             "last_group_size": r.last_group_size,
             "last_seen_s": round(max(0.0, now - r.time), 1),
             "sees_peers": r.seen,
@@ -55,6 +59,7 @@ def summarize(run_id: str, records: dict[str, ProgressRecord], now: float | None
         "peers": peers,
         "samples_per_s": round(sum(r.samples_per_s for r in training), 2),
         "samples_total": sum(r.samples_total for r in records.values()),
+        "compute_s": round(sum(r.compute_s for r in records.values()), 1),
     }
 
 
@@ -67,12 +72,25 @@ def render(summary: dict[str, Any]) -> str:
 
     head = (
         f"run {summary['run_id']}: {len(summary['peers'])} live peer(s), round {summary['round']}, "
-        f"{summary['samples_per_s']:.1f} samples/s in total, {summary['samples_total']:,} samples so far"
+        f"{summary['samples_per_s']:.1f} samples/s in total, {summary['samples_total']:,} samples and "
+        f"{_duration(summary.get('compute_s', 0.0))} of compute so far"
     )
     if not summary["peers"]:
         return head
     table = Table(box=None, pad_edge=False)
-    columns = ["peer", "state", "device", "round", "samples/s", "samples", "group", "last seen"]
+    columns = [
+        "peer",
+        "state",
+        "device",
+        "speed",
+        "round",
+        "samples/s",
+        "samples",
+        "compute",
+        "rounds",
+        "group",
+    ]
+    columns += ["last seen"]
     if summary.get("verifiable"):
         columns += ["shard", "trusted by", "strikes", "banned by"]
     for column in columns:
@@ -84,9 +102,12 @@ def render(summary: dict[str, Any]) -> str:
             p["short_id"],
             p["state"],
             p["device"],
+            _speed(p),
             str(p["round"]),
             f"{p['samples_per_s']:.1f}",
             f"{p['samples_total']:,}",
+            _duration(p["compute_s"]),
+            str(p["rounds_contributed"]),
             str(p["last_group_size"]),
             f"{p['last_seen_s']:.1f} s ago",
         ]
@@ -100,5 +121,20 @@ def render(summary: dict[str, Any]) -> str:
             ]
         table.add_row(*row)
     out = StringIO()
-    Console(file=out, width=120, color_system=None).print(table)
+    Console(file=out, width=200, color_system=None).print(table)
     return head + "\n" + out.getvalue().rstrip()
+
+
+def _speed(peer: dict[str, Any]) -> str:
+    """Its device benchmark: samples/s at the run's model, and GFLOP/s."""
+    if not peer.get("benchmark_samples_per_s"):
+        return "-"
+    return f"{peer['benchmark_samples_per_s']:.0f}/s, {peer['benchmark_gflops']:.1f} GFLOP/s"
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 60:
+        return f"{seconds:.0f} s"
+    if seconds < 3600:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.1f} h"

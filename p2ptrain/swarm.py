@@ -173,6 +173,10 @@ class LocalStatus:
     last_group_size: int = 0
     seen: int = 0
     view: str = ""
+    benchmark_samples_per_s: float = 0.0
+    benchmark_flops: float = 0.0
+    compute_s: float = 0.0
+    rounds_contributed: int = 0
     # A verifiable round's claims (records.ProgressRecord documents them).
     numeric_class: str = ""
     shard: str = ""
@@ -275,7 +279,8 @@ class Swarm:
 
     def publish(self) -> None:
         fields = asdict(self.status)
-        fields["samples_per_s"] = float(fields["samples_per_s"])
+        for name in ("samples_per_s", "benchmark_samples_per_s", "benchmark_flops", "compute_s"):
+            fields[name] = float(fields[name])
         record = ProgressRecord(
             peer_id=self.peer_id, device=self.device, time=time.time(), serves=self.serves, **fields
         )

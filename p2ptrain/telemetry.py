@@ -81,6 +81,21 @@ INNER_STEP_DURATION = Histogram(
     buckets=STEP_BUCKETS,
     registry=PEER,
 )
+INNER_SECONDS = Counter(
+    "p2ptrain_inner_phase_seconds",
+    "Seconds this peer spent in inner phases: the compute it gave the run.",
+    registry=PEER,
+)
+DEVICE_SAMPLES_PER_SECOND = Gauge(
+    "p2ptrain_device_benchmark_samples_per_second",
+    "This peer's device speed at the run's model, measured at start (device.benchmark_steps).",
+    registry=PEER,
+)
+DEVICE_FLOPS = Gauge(
+    "p2ptrain_device_benchmark_flops",
+    "The same in FLOP/s, estimated as 6 x params x tokens per second.",
+    registry=PEER,
+)
 OUTER_STEPS = Counter("p2ptrain_outer_steps", "Outer steps this peer applied.", registry=PEER)
 OUTER_STEP_DURATION = Histogram(
     "p2ptrain_outer_step_duration_seconds",
@@ -210,9 +225,15 @@ def set_peer_info(**fields: str) -> None:
     )
 
 
+def observe_benchmark(samples_per_s: float, flops: float) -> None:
+    DEVICE_SAMPLES_PER_SECOND.set(samples_per_s)
+    DEVICE_FLOPS.set(flops)
+
+
 def observe_inner_phase(*, steps: int, samples: int, seconds: float, loss: float) -> None:
     """A round's inner phase ended (its steps were counted as they happened)."""
     SAMPLES.inc(samples)
+    INNER_SECONDS.inc(seconds)
     if steps:
         INNER_STEP_DURATION.observe(seconds / steps)
         TRAIN_LOSS.set(loss)

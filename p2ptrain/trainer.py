@@ -28,7 +28,7 @@ from p2ptrain.config import ConfigError, ExperimentConfig
 from p2ptrain.data import Corpus, load_corpus
 from p2ptrain.diloco import DiLoCo, OuterStepReport, tensors_hash
 from p2ptrain.evaluation import evaluate
-from p2ptrain.inner import inner_lr, inner_step, make_optimizer, pick_device, round_warmup
+from p2ptrain.inner import benchmark_device, inner_lr, inner_step, make_optimizer, pick_device, round_warmup
 from p2ptrain.link import Connect, Link, connect_hivemind
 from p2ptrain.logs import bind, get_logger
 from p2ptrain.models import build_model, num_params
@@ -257,6 +257,12 @@ class Trainer:
         self.inner_opt = make_optimizer(self.diloco.model_params, cfg.inner)
         self.inner_steps_total = 0
         self.samples_total = 0
+        self.compute_s = 0.0
+        """Seconds spent in inner phases of this run (restored from checkpoints)."""
+        self.rounds_contributed = 0
+        """Rounds whose outer step we applied with our own pseudo-gradient (restored from checkpoints)."""
+        if cfg.device.benchmark_steps:
+            self.benchmark_device()
         if cfg.checkpoint.resume:
             self.resume_from_checkpoint()
         self.averager.set_round(self.round)
@@ -277,6 +283,25 @@ class Trainer:
             config_hash=cfg.training_hash(),
         )
         self.agree_on_experiment()
+
+    def benchmark_device(self) -> None:
+        """Time a few inner steps of the run's model on a copy of it: our device's speed, for the swarm to see."""
+        cfg = self.cfg
+        samples_per_s, flops = benchmark_device(
+            self.model,
+            cfg.inner,
+            context_length=cfg.model.context_length,
+            steps=cfg.device.benchmark_steps,
+            autocast_dtype=getattr(torch, cfg.device.dtype),
+        )
+        self.board.update(benchmark_samples_per_s=samples_per_s, benchmark_flops=flops)
+        telemetry.observe_benchmark(samples_per_s, flops)
+        self.log.info(
+            "device benchmark",
+            device=str(self.device),
+            samples_per_s=round(samples_per_s, 1),
+            gflops=round(flops / 1e9, 2),
+        )
 
     def agree_on_experiment(self) -> None:
         """Train the swarm's experiment or nothing: refuse a config whose training sections differ from the
@@ -449,6 +474,7 @@ class Trainer:
         stats.loss_sum = float(loss_sum)
         self.samples_total += stats.samples
         stats.inner_s = time.monotonic() - stats.started
+        self.compute_s += stats.inner_s
         telemetry.observe_inner_phase(
             steps=stats.steps, samples=stats.samples, seconds=stats.inner_s, loss=stats.loss
         )
@@ -456,6 +482,7 @@ class Trainer:
             samples_round=stats.samples,
             samples_total=self.samples_total,
             samples_per_s=stats.samples / max(stats.inner_s, 1e-9),
+            compute_s=self.compute_s,
         )
         return stats
 
@@ -901,6 +928,7 @@ class Trainer:
             self.refused |= new
         if report.applied:
             self.rounds_applied.append(round_)
+            self.rounds_contributed += 1
             self.last_group_size = report.group_size
             self.memory.averaged_with(report.peers)
         if report.stalled:
@@ -912,6 +940,7 @@ class Trainer:
             params_hash=self.diloco.params_hash(),
             last_group_size=self.last_group_size,
             samples_round=0,
+            rounds_contributed=self.rounds_contributed,
             **self._no_claims(),
         )
         self.averager.set_round(self.round)
@@ -1066,6 +1095,13 @@ class Trainer:
         path, state = resumed
         self.inner_steps_total = state.counters.get("inner_steps_total", 0)
         self.samples_total = state.counters.get("samples_total", 0)
+        self.compute_s = state.counters.get("compute_ms", 0) / 1000
+        self.rounds_contributed = state.counters.get("rounds_contributed", 0)
+        self.board.update(
+            samples_total=self.samples_total,
+            compute_s=self.compute_s,
+            rounds_contributed=self.rounds_contributed,
+        )
 
         self.log.info(
             "resumed from checkpoint",
@@ -1211,6 +1247,8 @@ class Trainer:
             counters={
                 "inner_steps_total": self.inner_steps_total,
                 "samples_total": self.samples_total,
+                "compute_ms": int(self.compute_s * 1000),
+                "rounds_contributed": self.rounds_contributed,
             },
         )
         return path

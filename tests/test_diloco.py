@@ -190,3 +190,20 @@ def test_a_verifiable_rounds_lr_ramps_up_over_its_first_steps_and_the_runs_warmu
     cfg = InnerConfig(lr=0.01, warmup_steps=20, num_inner_steps=15)
     # Round 1, step 0 (step 15 of the run): the run's warmup (16/20) and the round's ramp (1/5) multiply.
     assert math.isclose(inner_lr(cfg, 15) * round_warmup(0, 5), 0.01 * 16 / 20 / 5)
+
+
+def test_the_device_benchmark_leaves_the_model_and_the_random_numbers_alone():
+    from p2ptrain.config import InnerConfig
+    from p2ptrain.inner import benchmark_device
+    from p2ptrain.models import build_model
+
+    model = build_model("gpt-nano", 16, dropout=0.1, seed=0)
+    before = [p.detach().clone() for p in model.parameters()]
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    samples_per_s, flops = benchmark_device(model, InnerConfig(batch_size=4), context_length=16, steps=2)
+    assert torch.equal(torch.rand(3), expected), "training's random numbers must not shift"
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert samples_per_s > 0 and flops == pytest.approx(6 * params * samples_per_s * 16)

@@ -19,6 +19,29 @@ def test_summary_lists_every_peer_with_round_throughput_and_contribution():
     assert "PEER0002" in text and "averaging" in text and "4,000" in text
 
 
+def test_status_shows_each_peers_device_benchmark_and_what_it_contributed():
+    a, b = rec("12D3KooWaaaaaaaaPEER0001", 5), rec("12D3KooWbbbbbbbbPEER0002", 5)
+    a.benchmark_samples_per_s, a.benchmark_flops, a.compute_s, a.rounds_contributed = (
+        410.0,
+        2.1e10,
+        5400.0,
+        90,
+    )
+    b.compute_s, b.rounds_contributed = 42.0, 3  # no benchmark (device.benchmark_steps 0)
+    summary = summarize("run-z", {r.peer_id: r for r in (a, b)})
+    first = summary["peers"][0]
+    assert (first["benchmark_samples_per_s"], first["benchmark_gflops"]) == (410.0, 21.0)
+    assert (first["compute_s"], first["rounds_contributed"]) == (5400.0, 90) and summary[
+        "compute_s"
+    ] == 5442.0
+    lines = render(summary).splitlines()
+    assert "1.5 h of compute so far" in lines[0]
+    row_a = next(line for line in lines if "PEER0001" in line)
+    row_b = next(line for line in lines if "PEER0002" in line)
+    assert "410/s, 21.0 GFLOP/s" in row_a and "1.5 h" in row_a and " 90 " in row_a
+    assert " - " in row_b and "42 s" in row_b
+
+
 def test_empty_swarm_is_said_plainly():
     summary = summarize("run-y", {})
     assert summary["peers"] == [] and summary["round"] == -1

@@ -169,6 +169,9 @@ def test_metrics_status_and_logs_of_a_two_peer_swarm(tmp_path, spawn):
     peer_ids = {p.peer_id() for p in peers}
     assert {p["short_id"] for p in status["peers"]} == peer_ids
     assert status["round"] >= 1 and all(p["device"] == "cpu" for p in status["peers"])
+    # Each peer's device benchmark and contribution (the tiny config benchmarks 3 steps at start).
+    assert all(p["benchmark_samples_per_s"] > 0 and p["benchmark_gflops"] > 0 for p in status["peers"])
+    assert all(p["compute_s"] > 0 and p["rounds_contributed"] >= 1 for p in status["peers"]), status["peers"]
 
     # Everything the dashboard draws exists on a live endpoint.
     live = exposed_sample_names(later) | exposed_sample_names(swarm)
