@@ -144,7 +144,7 @@ def swarm_experiment(overrides: dict[str, Any]) -> Any:
     if not (swarm_cfg.initial_peers or swarm_cfg.initial_peers_file):
         return None
     from p2ptrain import logs
-    from p2ptrain.experiment import ExperimentError, choose, config_for
+    from p2ptrain.experiment import ExperimentError, choose, config_for, peers_count
     from p2ptrain.swarm import create_dht, progress_validators, published_experiments
 
     logs.configure("error", (overrides.get("log") or {}).get("format") or "auto")
@@ -184,7 +184,7 @@ def swarm_experiment(overrides: dict[str, Any]) -> Any:
         raise fail(str(e), EXIT_USAGE) from None
     typer.echo(
         f"Joining the swarm's experiment {found.run_id} (published by {found.owner[-8:]}, carried by "
-        f"{len(found.publishers)} peers): model {cfg.model.name}, {cfg.outer.num_rounds} rounds of "
+        f"{peers_count(len(found.publishers))}): model {cfg.model.name}, {cfg.outer.num_rounds} rounds of "
         f"{cfg.inner.num_inner_steps} inner steps."
     )
     return cfg

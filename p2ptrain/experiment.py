@@ -212,6 +212,10 @@ def _agreed(sections: Mapping[str, Any]) -> dict[str, Any]:
     return doc
 
 
+def peers_count(n: int) -> str:
+    return f"{n} peer" if n == 1 else f"{n} peers"
+
+
 def _flat(doc: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in doc.items():
@@ -242,9 +246,10 @@ def check(cfg: ExperimentConfig, experiment: Experiment) -> None:
         if any(d.startswith("data.sha256:") for d in diff)
         else ""
     )
+    carried = peers_count(len(experiment.publishers))
     raise ConfigError(
         f"this config differs from the swarm's experiment {experiment.run_id} (published by "
-        f"{experiment.owner[-8:]}, carried by {len(experiment.publishers)} peers): {'; '.join(diff)}{data_hint}. "
+        f"{experiment.owner[-8:]}, carried by {carried}): {'; '.join(diff)}{data_hint}. "
         "Join without --config to train the swarm's experiment, or give this run another run.run_id"
     )
 

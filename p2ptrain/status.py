@@ -133,6 +133,8 @@ def _speed(peer: dict[str, Any]) -> str:
 
 
 def _duration(seconds: float) -> str:
+    if seconds < 10:
+        return f"{seconds:.1f} s"
     if seconds < 60:
         return f"{seconds:.0f} s"
     if seconds < 3600:
