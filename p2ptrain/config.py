@@ -16,6 +16,7 @@ message names the field path; the CLI turns it into exit code 2.
 from __future__ import annotations
 
 import contextvars
+import datetime
 import hashlib
 import json
 import os
@@ -350,6 +351,45 @@ class CheckpointConfig(_Section):
     with a warning, never loaded. If the swarm is ahead, the peer then loads the swarm's state instead."""
 
 
+def parse_hours(hours: str) -> tuple[datetime.time, datetime.time]:
+    """'HH:MM-HH:MM' as (start, end) local times; raises ValueError saying what is wrong."""
+    start, sep, end = hours.partition("-")
+    if not sep:
+        raise ValueError("expected 'HH:MM-HH:MM'")
+    try:
+        return datetime.time.fromisoformat(start.strip()), datetime.time.fromisoformat(end.strip())
+    except ValueError:
+        raise ValueError("expected 'HH:MM-HH:MM' (24-hour local times)") from None
+
+
+class ScheduleConfig(_Section):
+    max_other_cpu: float | None = Field(default=None, gt=0.0, le=1.0)
+    """Pause while other processes use more than this share of the machine's CPU (0.5: half of all cores,
+    this peer's own processes left out), as read every schedule.check_every_s. None: never pause for load."""
+    pause_on_battery: bool = False
+    """Pause while the machine runs on battery (a machine without a battery never does)."""
+    hours: str | None = None
+    """Train only between these local times, 'HH:MM-HH:MM' (it may wrap midnight: '22:00-07:00'). None: at
+    any time."""
+    check_every_s: float = Field(default=5.0, gt=0.0)
+    """How often the machine is read (CPU, battery, clock)."""
+    resume_after_s: float = Field(default=30.0, ge=0.0)
+    """Resume only once no reason to pause has shown for this long, so that a peer does not flap in and out
+    of rounds. A paused peer stays in the swarm as 'paused': nobody waits for it, and it catches up when it
+    resumes."""
+
+    @field_validator("hours")
+    @classmethod
+    def _check_hours(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_hours(value)
+        return value
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_other_cpu is not None or self.pause_on_battery or self.hours is not None
+
+
 class LogConfig(_Section):
     level: Literal["debug", "info", "warning", "error"] = "info"
     """Log level for p2ptrain (hivemind's own records are shown from 'warning' unless this is 'debug')."""
@@ -398,6 +438,8 @@ class ExperimentConfig(BaseSettings):
     """Local compute."""
     checkpoint: CheckpointConfig = CheckpointConfig()
     """Checkpoints and the final model."""
+    schedule: ScheduleConfig = ScheduleConfig()
+    """When this peer trains: its volunteer's machine comes first (docs/architecture.md#schedule)."""
     log: LogConfig = LogConfig()
     """Logging."""
     metrics: MetricsConfig = MetricsConfig()
@@ -503,7 +545,7 @@ class ExperimentConfig(BaseSettings):
 
 TRAINING_SECTIONS = ("run", "model", "data", "inner", "outer", "averaging", "verification")
 """The sections a run's peers share: the swarm publishes them, and a joiner takes them from it."""
-OWN_SECTIONS = ("swarm", "device", "checkpoint", "log", "metrics")
+OWN_SECTIONS = ("swarm", "device", "checkpoint", "schedule", "log", "metrics")
 """The sections that are each peer's own (a volunteer's machine, network and files)."""
 OWN_FIELDS: dict[str, tuple[str, ...]] = {
     # How long a peer waits for others, and whom it waits for, is its own business (a slow link needs longer

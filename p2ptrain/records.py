@@ -48,6 +48,9 @@ class PeerState(str, Enum):
     """In its inner phase of ``round``."""
     AVERAGING = "averaging"
     """Finished its inner phase of ``round``: at the barrier or in the all-reduce."""
+    PAUSED = "paused"
+    """Its schedule paused it (the volunteer's machine is busy, on battery, or outside its hours): nobody
+    waits for it or counts it in a round; it catches up when it resumes."""
     DONE = "done"
     """Finished the run; holds the final params and serves them while others finish."""
     LEFT = "left"
@@ -211,8 +214,8 @@ class SplitWatch:
         mine = view_hash(records.keys() | {me})
         disagreeing = {}
         for pid, r in records.items():
-            if pid == me or r.state == PeerState.LOADING:
-                continue
+            if pid == me or r.state in (PeerState.LOADING, PeerState.PAUSED):
+                continue  # a round apart on purpose
             other_view = bool(r.view) and r.view != mine
             far_round = abs(r.round - my_round) >= 2 and r.state != PeerState.DONE
             if other_view or far_round:

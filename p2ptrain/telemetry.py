@@ -168,6 +168,9 @@ CONVICTIONS = Counter(
     registry=PEER,
 )
 ROUND = Gauge("p2ptrain_round", "The outer round this peer is in.", registry=PEER)
+PAUSED = Gauge(
+    "p2ptrain_paused", "1 while this peer's schedule has it paused (its machine comes first).", registry=PEER
+)
 STATE_LOADS = Counter(
     "p2ptrain_state_loads", "Swarm states this peer downloaded from other peers.", registry=PEER
 )

@@ -35,6 +35,7 @@ from p2ptrain.models import build_model, num_params
 from p2ptrain.progress import InnerProgress, Waiting, terminal_progress_enabled
 from p2ptrain.protocol import BarrierState, BehindState, LingerState, Me
 from p2ptrain.records import MAX_LISTED, MAX_WIRE_PARTS, PeerState, ProgressRecord, live
+from p2ptrain.schedule import Machine, Probe, Schedule
 from p2ptrain.transfer import donation, fetch_state
 
 log = get_logger(__name__)
@@ -89,6 +90,8 @@ class RoundStats:
     started: float = field(default_factory=time.monotonic)
     inner_s: float = 0.0
     sync_s: float = 0.0
+    paused: bool = False
+    """The schedule paused us before the inner phase ended: its steps are dropped."""
     weight: float | None = None
     """A verifiable round's weight for us, as the verdict gives it (a full inner phase's samples over our
     replica group's size): we send exactly that (reducers refuse any other)."""
@@ -106,6 +109,7 @@ class Trainer:
         stop: threading.Event | None = None,
         on_started: Callable[[list[str]], None] | None = None,
         connect: Connect = connect_hivemind,
+        machine: Probe | None = None,
     ):
         """
         Args:
@@ -113,12 +117,17 @@ class Trainer:
             stop: set it (from a signal handler, a test) to stop cleanly at the next safe point.
             on_started: called with this peer's multiaddrs once it is in the swarm.
             connect: builds the network parts (tests pass an in-memory swarm's).
+            machine: what the schedule reads (``schedule.Machine``, psutil; tests pass their own).
         """
         self.cfg = cfg
         self.stop = stop or threading.Event()
         self.on_started = on_started
         self.connect = connect
         self.link: Link | None = None
+        self.schedule = Schedule(cfg.schedule, machine or Machine()) if cfg.schedule.enabled else None
+        """When the volunteer's machine lets us train (``schedule:``); None: always."""
+        self.pauses: list[tuple[int, str]] = []
+        """Every pause: (the round we were in, why)."""
         self.peer_dir: checkpoint.PeerDir | None = None
         self._next_deadline: float | None = None
         """With ``inner.round_seconds``: when the next inner phase ends (set when an all-reduce ends)."""
@@ -175,6 +184,9 @@ class Trainer:
             self.join_swarm()
             stranded = None
             while not self.stop.is_set():
+                self.pause_while_asked()  # the volunteer's machine comes first
+                if self.stop.is_set():
+                    break
                 stranded = self.catch_up()  # may jump several rounds, up to the end of the run
                 if stranded is not None or self.round >= self.cfg.outer.num_rounds:
                     break
@@ -183,6 +195,8 @@ class Trainer:
                 stats = self.inner_phase()
                 if self.stop.is_set():
                     break
+                if stats.paused:  # cut short by the schedule: the round goes on without us
+                    continue
                 if self.verifying:
                     self.seal()
                 group = self.barrier()
@@ -355,6 +369,27 @@ class Trainer:
                     if self.stop.wait(self._poll_s):
                         break
 
+    def pause_while_asked(self) -> None:
+        """While the schedule says so (the machine is busy, on battery, or outside its hours), sit out as
+        ``paused``: nobody waits for us at a barrier or counts us in a round. Then come back as a peer that
+        may have fallen behind: the loop catches up with the swarm before it trains."""
+        if self.schedule is None or (reason := self.schedule.check()) is None:
+            return
+        started = time.monotonic()
+        self.pauses.append((self.round, reason))
+        self.diloco.reset_model()  # an inner phase cut short: its steps are dropped
+        self.board.update(state=PeerState.PAUSED, samples_round=0, **self._no_claims())
+        telemetry.PAUSED.set(1)
+        self.log.info("paused: the machine comes first", reason=reason, round=self.round)
+        with self._waiting() as waiting:
+            while not self.stop.is_set() and (reason := self.schedule.check()) is not None:
+                waiting.update(f"round {self.round}: paused", reason=reason)
+                self.stop.wait(min(self.cfg.schedule.check_every_s, self._poll_s))
+        telemetry.PAUSED.set(0)
+        self._next_deadline = None  # the group we left did not wait for us
+        self.board.update(state=PeerState.LOADING)  # until we know where the swarm is
+        self.log.info("resumed", round=self.round, paused_s=round(time.monotonic() - started, 1))
+
     def catch_up(self) -> protocol.Stranded | None:
         """While the swarm is past our round, load its state; never train a round it has left behind.
 
@@ -445,6 +480,9 @@ class Trainer:
         with bar:
             for _ in range(cfg.inner.num_inner_steps):
                 if self.stop.is_set() or (stats.steps and time.monotonic() + step_s / 2 >= deadline):
+                    break
+                if self.schedule is not None and self.schedule.check() is not None:
+                    stats.paused = True
                     break
                 step_started = time.monotonic()
                 x, y = next(batches)

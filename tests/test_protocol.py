@@ -203,6 +203,9 @@ def test_roster_is_the_sorted_ids_of_the_peers_training_our_round():
     others = table(rec("b", 3), rec("d", 3, state="averaging"), rec("a", 2), rec("c", 3, state="loading"))
     assert protocol.roster(me(), others) == (3, 4)  # b, c, d, me
     assert protocol.roster(me(), table(rec("x", 3, state="done"), rec("y", 3, state="left"))) == (0, 1)
+    assert protocol.roster(me(), table(rec("x", 3, state="paused"))) == (0, 1), (
+        "a paused peer trains no shard"
+    )
 
 
 @pytest.mark.parametrize(
@@ -223,6 +226,8 @@ def test_roster_is_the_sorted_ids_of_the_peers_training_our_round():
         (table(rec("a", 3, "averaging"), rec("b", 2, "training")), BarrierState.WAIT, ["b"]),
         (table(rec("a", 3, "averaging"), rec("b", 2, "loading")), BarrierState.WAIT, ["b"]),
         (table(rec("a", 3, "averaging"), rec("b", 1, "training"), rec("c", 2, "done")), BarrierState.GO, []),
+        # paused by its schedule, in our round or one behind: nobody waits for it
+        (table(rec("a", 3, "averaging"), rec("b", 3, "paused"), rec("c", 2, "paused")), BarrierState.GO, []),
         ({}, BarrierState.GO, []),
     ],
 )
@@ -324,5 +329,5 @@ def test_final_states_of_peers_that_left_still_count():
 
 
 def test_state_enum_values_are_the_wire_strings():
-    assert [s.value for s in PeerState] == ["loading", "training", "averaging", "done", "left"]
+    assert [s.value for s in PeerState] == ["loading", "training", "averaging", "paused", "done", "left"]
     assert rec("a").wire()["state"] == "training"

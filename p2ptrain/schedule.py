@@ -1,0 +1,139 @@
+"""A volunteer's machine comes first: when a peer pauses, and what it measures to decide.
+
+The decision is a pure function of one reading (:func:`pause_reason`), and :class:`Schedule` adds the
+hysteresis: it pauses as soon as a reason shows, and resumes only once none has shown for
+``schedule.resume_after_s``, so that a peer does not flap in and out of rounds. What is read comes from a
+:class:`Machine` (psutil, so Linux, macOS and Windows alike): the CPU that *other* processes use (the
+machine's minus this peer's own process tree: the trainer, hivemind's children and ``p2pd``), the battery
+and the local time. Tests pass a machine of their own.
+
+A paused peer stays in the swarm as ``paused`` (its record says so): nobody waits for it at a barrier or
+counts it in a round's roster, and when it resumes it catches up as any peer that fell behind does. It
+keeps its children and ``p2pd`` running: on a GPU they cannot be forked again once CUDA is in use.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime
+from datetime import time as clock_time
+from typing import Protocol
+
+from p2ptrain.config import ScheduleConfig, parse_hours
+
+
+@dataclass(frozen=True)
+class Reading:
+    """What the machine looks like now."""
+
+    other_cpu: float | None
+    """The share of the whole machine's CPU (0 to 1) that other processes used since the last reading."""
+    on_battery: bool | None
+    """None: no battery (or it cannot tell)."""
+    now: datetime = field(default_factory=datetime.now)
+    """Local time."""
+
+
+class Probe(Protocol):
+    def read(self) -> Reading: ...
+
+
+def within(hours: str, at: clock_time) -> bool:
+    """Whether ``at`` falls in the window (which may wrap midnight: '22:00-07:00')."""
+    start, end = parse_hours(hours)
+    if start <= end:
+        return start <= at < end
+    return at >= start or at < end
+
+
+def pause_reason(cfg: ScheduleConfig, reading: Reading) -> str | None:
+    """Why the peer should not train now, or None."""
+    if cfg.hours is not None and not within(cfg.hours, reading.now.time()):
+        return f"outside schedule.hours {cfg.hours}"
+    if cfg.pause_on_battery and reading.on_battery:
+        return "on battery (schedule.pause_on_battery)"
+    if (
+        cfg.max_other_cpu is not None
+        and reading.other_cpu is not None
+        and reading.other_cpu > cfg.max_other_cpu
+    ):
+        return (
+            f"other processes use {reading.other_cpu:.0%} of the CPU (schedule.max_other_cpu "
+            f"{cfg.max_other_cpu:.0%})"
+        )
+    return None
+
+
+class Schedule:
+    """Asks the machine at most every ``schedule.check_every_s`` whether the peer may train.
+
+    Args:
+        clock: monotonic seconds (tests pass their own).
+    """
+
+    def __init__(self, cfg: ScheduleConfig, machine: Probe, clock: Callable[[], float] = time.monotonic):
+        self.cfg, self.machine, self.clock = cfg, machine, clock
+        self._checked = -float("inf")
+        self._paused_for: str | None = None
+        self._clear_since: float | None = None
+
+    def check(self) -> str | None:
+        """None: train. Otherwise why the peer is paused (or stays paused until the machine has been free
+        for ``schedule.resume_after_s``). Cheap between readings: call it every step."""
+        now = self.clock()
+        if now - self._checked < self.cfg.check_every_s:
+            return self._paused_for
+        self._checked = now
+        reason = pause_reason(self.cfg, self.machine.read())
+        if reason is not None:
+            self._paused_for, self._clear_since = reason, None
+        elif self._paused_for is not None:
+            if self._clear_since is None:
+                self._clear_since = now
+            if now - self._clear_since >= self.cfg.resume_after_s:
+                self._paused_for, self._clear_since = None, None
+        return self._paused_for
+
+
+class Machine:
+    """This machine as psutil reports it. Other processes' CPU is the machine's busy time minus this peer's
+    own process tree's, both since the last reading."""
+
+    def __init__(self) -> None:
+        import psutil
+
+        self._psutil = psutil
+        self._me = psutil.Process()
+        self._last_total = self._busy_and_total()
+        self._last_own = self._own_cpu_s()
+
+    def _busy_and_total(self) -> tuple[float, float]:
+        t = self._psutil.cpu_times()
+        total = sum(t)
+        idle = t.idle + getattr(t, "iowait", 0.0)
+        return total - idle, total
+
+    def _own_cpu_s(self) -> dict[int, float]:
+        own = {}
+        for p in [self._me, *self._me.children(recursive=True)]:
+            try:
+                c = p.cpu_times()
+                own[p.pid] = c.user + c.system
+            except (self._psutil.NoSuchProcess, self._psutil.AccessDenied):
+                continue
+        return own
+
+    def read(self) -> Reading:
+        (busy0, total0), self._last_total = self._last_total, self._busy_and_total()
+        busy1, total1 = self._last_total
+        own0, self._last_own = self._last_own, self._own_cpu_s()
+        own = sum(max(0.0, t - own0.get(pid, 0.0)) for pid, t in self._last_own.items())
+        span = total1 - total0
+        other = max(0.0, (busy1 - busy0) - own) / span if span > 0 else None
+        battery = self._psutil.sensors_battery()
+        return Reading(
+            other_cpu=min(other, 1.0) if other is not None else None,
+            on_battery=None if battery is None else not battery.power_plugged,
+        )

@@ -1,0 +1,130 @@
+"""A volunteer's machine comes first: when a peer pauses (p2ptrain/schedule.py), and a paused peer in a swarm."""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import datetime
+
+import pytest
+
+from p2ptrain.config import ConfigError, ScheduleConfig, load_config
+from p2ptrain.records import PeerState
+from p2ptrain.schedule import Machine, Reading, Schedule, pause_reason, within
+from p2ptrain.trainer import Trainer
+from tests.memswarm import MemorySwarm, PeerThread, fast_config
+from tests.test_rounds import assert_swarm_contract, finish
+
+NOON = datetime(2026, 12, 1, 12, 0)
+
+
+def test_hours_may_wrap_midnight():
+    night = "22:00-07:00"
+    assert within(night, datetime(2026, 1, 1, 23, 30).time()) and within(
+        night, datetime(2026, 1, 1, 6, 59).time()
+    )
+    assert not within(night, NOON.time())
+    assert within("09:00-17:00", NOON.time()) and not within(
+        "09:00-17:00", datetime(2026, 1, 1, 17, 0).time()
+    )
+
+
+def test_each_reason_to_pause_is_named():
+    cfg = ScheduleConfig(max_other_cpu=0.5, pause_on_battery=True, hours="09:00-17:00")
+    assert pause_reason(cfg, Reading(other_cpu=0.2, on_battery=False, now=NOON)) is None
+    assert "other processes use 80% of the CPU" in pause_reason(cfg, Reading(0.8, False, NOON))
+    assert "on battery" in pause_reason(cfg, Reading(0.1, True, NOON))
+    assert "outside schedule.hours 09:00-17:00" in pause_reason(
+        cfg, Reading(0.1, False, datetime(2026, 1, 1, 20))
+    )
+    assert pause_reason(ScheduleConfig(), Reading(1.0, True, NOON)) is None, "nothing configured: never"
+    assert pause_reason(cfg, Reading(None, None, NOON)) is None, "what cannot be read does not pause"
+
+
+def test_a_bad_window_is_refused_naming_the_field():
+    with pytest.raises(ConfigError, match=r"schedule\.hours: .*HH:MM-HH:MM"):
+        load_config(None, {"schedule": {"hours": "22-7"}})
+
+
+class FakeMachine:
+    def __init__(self, other_cpu: float = 0.0):
+        self.other_cpu = other_cpu
+        self.reads = 0
+
+    def read(self) -> Reading:
+        self.reads += 1
+        return Reading(other_cpu=self.other_cpu, on_battery=None, now=NOON)
+
+
+def test_it_pauses_at_once_and_resumes_only_after_the_machine_stayed_free():
+    clock = [0.0]
+    machine = FakeMachine()
+    schedule = Schedule(
+        ScheduleConfig(max_other_cpu=0.5, check_every_s=1, resume_after_s=10), machine, lambda: clock[0]
+    )
+    assert schedule.check() is None
+    machine.other_cpu = 0.9
+    assert schedule.check() is None and machine.reads == 1, "read at most every check_every_s"
+    clock[0] = 1.0
+    assert schedule.check() is not None
+    machine.other_cpu = 0.1
+    for t in (2.0, 6.0, 11.0):
+        clock[0] = t
+        assert schedule.check() is not None, f"still paused at {t}: free for {t - 2.0}s only"
+    clock[0] = 12.0
+    assert schedule.check() is None
+    machine.other_cpu = 0.9
+    clock[0] = 13.0
+    assert schedule.check() is not None
+
+
+def test_the_machine_reads_other_processes_cpu_without_our_own():
+    machine = Machine()
+    stop = time.monotonic() + 0.3
+    while time.monotonic() < stop:  # our own load: never counted as another process's
+        sum(i * i for i in range(1000))
+    reading = machine.read()
+    assert reading.other_cpu is None or 0.0 <= reading.other_cpu <= 1.0
+    assert reading.on_battery in (None, True, False)
+
+
+def test_a_paused_peer_costs_the_others_no_wait_and_rejoins_on_its_own(tmp_path):
+    swarm = MemorySwarm()
+    machine = FakeMachine()
+    sections = {
+        "outer": {"num_rounds": 8},
+        "swarm": {"min_peers": 3},
+        # Were they to wait for the paused peer, they would wait for 10 minutes: no deadline here comes close.
+        "averaging": {"target_group_size": 3, "barrier_timeout_s": 600.0},
+    }
+    configs = {name: fast_config(tmp_path, name, **sections) for name in ("a", "b", "c")}
+    configs["c"] = fast_config(
+        tmp_path,
+        "c",
+        **sections,
+        schedule={"max_other_cpu": 0.5, "check_every_s": 0.02, "resume_after_s": 0.2},
+    )
+
+    def trainer(cfg, **kwargs):
+        return Trainer(cfg, machine=machine if cfg is configs["c"] else None, **kwargs)
+
+    peers = {name: PeerThread(swarm, name, cfg, trainer_cls=trainer) for name, cfg in configs.items()}
+    peers["c"].wait_until(lambda t: t.round >= 2)
+    machine.other_cpu = 0.9  # the volunteer starts a game
+    peers["c"].wait_until(lambda t: bool(t.pauses))
+    paused_in = peers["c"].trainer.pauses[0][0]
+    # The others go on without it: two rounds while it is paused (its machine stays busy until we say).
+    peers["a"].wait_until(lambda t: t.round >= paused_in + 2)
+    assert swarm.read()[peers["c"].trainer.peer_id].state == PeerState.PAUSED
+    machine.other_cpu = 0.0  # the game is over
+    finish(peers)
+    assert_swarm_contract(tmp_path, peers, ["a", "b", "c"])
+    c = peers["c"].trainer
+    assert [why for why, _ in c.loads] == ["catch_up"], "it came back behind, and caught up"
+    assert paused_in not in c.rounds_applied and c.rounds_applied[-1] == 7
+    assert all(peers[n].trainer.rounds_applied == list(range(8)) for n in ("a", "b"))
+
+
+def test_a_peer_without_a_schedule_reads_no_machine(tmp_path):
+    cfg = fast_config(tmp_path, "a")
+    assert Trainer(cfg, stop=threading.Event()).schedule is None
