@@ -364,8 +364,8 @@ def parse_hours(hours: str) -> tuple[datetime.time, datetime.time]:
 
 class ScheduleConfig(_Section):
     max_other_cpu: float | None = Field(default=None, gt=0.0, le=1.0)
-    """Pause while other processes use more than this share of the machine's CPU (0.5: half of all cores,
-    this peer's own processes left out), as read every schedule.check_every_s. None: never pause for load."""
+    """Pause while other processes use more than this share of the CPU this peer leaves free (0.5: half of
+    it; near 1 when they fill the machine), as read every schedule.check_every_s. None: never pause for load."""
     pause_on_battery: bool = False
     """Pause while the machine runs on battery (a machine without a battery never does)."""
     hours: str | None = None

@@ -29,7 +29,8 @@ class Reading:
     """What the machine looks like now."""
 
     other_cpu: float | None
-    """The share of the whole machine's CPU (0 to 1) that other processes used since the last reading."""
+    """The share (0 to 1) of the CPU time this peer left free that other processes used since the last
+    reading: near 1 when they fill the machine, whatever this peer's own share."""
     on_battery: bool | None
     """None: no battery (or it cannot tell)."""
     now: datetime = field(default_factory=datetime.now)
@@ -99,7 +100,7 @@ class Schedule:
 
 class Machine:
     """This machine as psutil reports it. Other processes' CPU is the machine's busy time minus this peer's
-    own process tree's, both since the last reading."""
+    own process tree's, over the time this peer left free, both since the last reading."""
 
     def __init__(self) -> None:
         import psutil
@@ -130,8 +131,11 @@ class Machine:
         busy1, total1 = self._last_total
         own0, self._last_own = self._last_own, self._own_cpu_s()
         own = sum(max(0.0, t - own0.get(pid, 0.0)) for pid, t in self._last_own.items())
-        span = total1 - total0
-        other = max(0.0, (busy1 - busy0) - own) / span if span > 0 else None
+        # The share of what we leave free that others use: on a machine they fill, that nears 1 whatever our own
+        # share (as a share of the whole machine, it could never pass 1 - ours, and a threshold above that
+        # would never pause us).
+        free = (total1 - total0) - own
+        other = max(0.0, (busy1 - busy0) - own) / free if free > 0 else None
         battery = self._psutil.sensors_battery()
         return Reading(
             other_cpu=min(other, 1.0) if other is not None else None,
