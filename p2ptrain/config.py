@@ -462,10 +462,15 @@ class ExperimentConfig(BaseSettings):
 
     @model_validator(mode="after")
     def _check_verification(self) -> ExperimentConfig:
-        if self.verification.replicas > 1 and self.inner.round_seconds is not None:
+        if (
+            self.verification.replicas > 1
+            and self.inner.round_seconds is not None
+            and not self.device.benchmark_steps
+        ):
             raise ValueError(
-                f"inner.round_seconds needs verification.replicas 1 (got {self.verification.replicas}): replicas "
-                "of a shard must do the same number of steps, and a round by time gives each peer its own"
+                f"inner.round_seconds with verification.replicas {self.verification.replicas} needs "
+                "device.benchmark_steps > 0: replicas of a shard do the steps their slowest member's published "
+                "benchmark fits in the round"
             )
         if self.verification.replicas > 1 and self.model.dropout > 0:
             raise ValueError(

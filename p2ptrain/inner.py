@@ -84,6 +84,18 @@ def inner_step(
     return loss.detach()
 
 
+def replica_steps(cfg: InnerConfig, speeds: Sequence[float]) -> int:
+    """The steps every replica of a shard does in a verifiable round: H, or with ``inner.round_seconds`` what
+    the slowest replica's published benchmark (samples/s) fits in the round (at least 1, at most H). A pure
+    function of the records, so that replicas do the same steps and every verdict weighs them alike. A replica
+    that published no benchmark counts as the slowest there is (1 step): claiming to be slow saves a peer work
+    and weight alike, and claiming to be fast cannot make its partners train longer than they can."""
+    if not cfg.round_seconds:
+        return cfg.num_inner_steps
+    slowest = min(speeds, default=0.0)
+    return max(1, min(cfg.num_inner_steps, int(cfg.round_seconds * slowest / cfg.batch_size)))
+
+
 def benchmark_device(
     model: nn.Module,
     cfg: InnerConfig,

@@ -28,7 +28,15 @@ from p2ptrain.config import ConfigError, ExperimentConfig
 from p2ptrain.data import Corpus, load_corpus
 from p2ptrain.diloco import DiLoCo, OuterStepReport, tensors_hash
 from p2ptrain.evaluation import evaluate
-from p2ptrain.inner import benchmark_device, inner_lr, inner_step, make_optimizer, pick_device, round_warmup
+from p2ptrain.inner import (
+    benchmark_device,
+    inner_lr,
+    inner_step,
+    make_optimizer,
+    pick_device,
+    replica_steps,
+    round_warmup,
+)
 from p2ptrain.link import Connect, Link, connect_hivemind
 from p2ptrain.logs import bind, get_logger
 from p2ptrain.models import build_model, num_params
@@ -126,6 +134,8 @@ class Trainer:
         self.link: Link | None = None
         self.schedule = Schedule(cfg.schedule, machine or Machine()) if cfg.schedule.enabled else None
         """When the volunteer's machine lets us train (``schedule:``); None: always."""
+        self.benchmark_samples_per_s = 0.0
+        """Our device's speed at the run's model (``device.benchmark_steps``; 0: not measured)."""
         self.pauses: list[tuple[int, str]] = []
         """Every pause: (the round we were in, why)."""
         self.peer_dir: checkpoint.PeerDir | None = None
@@ -308,6 +318,7 @@ class Trainer:
             steps=cfg.device.benchmark_steps,
             autocast_dtype=getattr(torch, cfg.device.dtype),
         )
+        self.benchmark_samples_per_s = samples_per_s
         self.board.update(benchmark_samples_per_s=samples_per_s, benchmark_flops=flops)
         telemetry.observe_benchmark(samples_per_s, flops)
         self.log.info(
@@ -451,10 +462,13 @@ class Trainer:
         """
         cfg = self.cfg
         ramp = lambda step: 1.0  # noqa: E731
+        steps = cfg.inner.num_inner_steps
         if self.verifying:
             ramp = functools.partial(round_warmup, steps=cfg.verification.round_warmup_steps)
             self._await_roster()
             rank, world, self._replicas = self.assignment()
+            # Replicas do the same steps: with rounds by time, what the slowest of them fits in the round.
+            steps = self._replica_steps(self._replicas)
             self.inner_opt = make_optimizer(self.diloco.model_params, cfg.inner)
             first_step = self.round * cfg.inner.num_inner_steps
             self._shard = f"{rank}/{world}"
@@ -475,10 +489,10 @@ class Trainer:
             terminal_progress_enabled(cfg.log.format), total=cfg.inner.num_inner_steps, round=self.round
         )
         running_loss = lambda: float(loss_sum) / max(stats.steps, 1)  # noqa: E731 - read only when the bar redraws
-        deadline = self._round_deadline(stats.started)
+        deadline = float("inf") if self.verifying else self._round_deadline(stats.started)
         step_s = 0.0  # how long our last step took: we stop before one that would end well past the deadline
         with bar:
-            for _ in range(cfg.inner.num_inner_steps):
+            for _ in range(steps):
                 if self.stop.is_set() or (stats.steps and time.monotonic() + step_s / 2 >= deadline):
                     break
                 if self.schedule is not None and self.schedule.check() is not None:
@@ -523,6 +537,17 @@ class Trainer:
             compute_s=self.compute_s,
         )
         return stats
+
+    def _replica_steps(self, members: Sequence[str]) -> int:
+        """The steps each replica of ``members`` does in a verifiable round (``inner.replica_steps``), from
+        their published benchmarks: the same for every replica and in every peer's verdict."""
+        records = self._others()
+        speeds = [
+            self.benchmark_samples_per_s if p == self.peer_id else (r.benchmark_samples_per_s if r else 0.0)
+            for p in members
+            for r in [records.get(p)]
+        ]
+        return replica_steps(self.cfg.inner, speeds)
 
     def _round_deadline(self, started: float) -> float:
         """When this round's inner phase ends: with ``inner.round_seconds``, that long after we left the last
@@ -744,10 +769,14 @@ class Trainer:
             self.diloco.reset_model()
             self._sit_out(round_, [p for p in verdict.shares])
             return None
-        # Reducers count each groupmate with the verdict's weight (a full inner phase's samples, shared by
-        # its replicas), never with what it claims.
-        full = self.cfg.inner.num_inner_steps * self.cfg.inner.batch_size
-        weights = {p: full * share for p, share in verdict.shares.items()}
+        # Reducers count each groupmate with the verdict's weight (its replica group's inner phase's samples,
+        # shared by its replicas), never with what it claims.
+        batch = self.cfg.inner.batch_size
+        groups = {c.peer: c.replicas for c in claims}  # the verdict counts only groups of the assignment
+        weights = {
+            p: self._replica_steps(groups.get(p) or (p,)) * batch * share
+            for p, share in verdict.shares.items()
+        }
         # Reducers also check every part they receive against what its sender sealed and sketched.
         sealed = verify.sealed_parts(verdict, claims, run_id=self.cfg.run.run_id, round=round_)
         self.averager.leave_out([p for p in verdict.left_out if p != self.peer_id], round_, weights, sealed)

@@ -563,6 +563,9 @@ class MemorySwarm:
         """The id of the newest incarnation of peer ``name``."""
         return [pid for pid, p in self._peers.items() if p.name == name][-1]
 
+    def name_of(self, peer_id: str) -> str:
+        return self._peers[peer_id].name
+
 
 class PeerThread:
     """A Trainer running in a thread; ``result`` is its RunResult, or the Crash that ended it."""

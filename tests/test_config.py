@@ -173,9 +173,12 @@ def test_verification_refuses_dropout_error_feedback_and_more_than_three_replica
     text = "averaging:\n  error_feedback: true\nverification:\n  replicas: 2\n"
     with pytest.raises(ConfigError, match=r"verification\.replicas 2 needs averaging\.error_feedback false"):
         load_config(write(tmp_path, text))
-    text = "inner:\n  round_seconds: 20\nverification:\n  replicas: 2\n"
-    with pytest.raises(ConfigError, match=r"inner\.round_seconds needs verification\.replicas 1 \(got 2\)"):
+    text = "inner:\n  round_seconds: 20\nverification:\n  replicas: 2\ndevice:\n  benchmark_steps: 0\n"
+    with pytest.raises(
+        ConfigError, match=r"inner\.round_seconds with verification\.replicas 2 needs device\.benchmark"
+    ):
         load_config(write(tmp_path, text))
+    assert load_config(write(tmp_path, "inner:\n  round_seconds: 20\nverification:\n  replicas: 2\n"))
     with pytest.raises(ConfigError, match=r"verification\.replicas: .*less than or equal to 3"):
         load_config(write(tmp_path, "verification:\n  replicas: 4\n"))
     assert load_config(write(tmp_path, "verification:\n  replicas: 2\n")).verification.replicas == 2

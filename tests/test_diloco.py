@@ -207,3 +207,14 @@ def test_the_device_benchmark_leaves_the_model_and_the_random_numbers_alone():
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     params = sum(p.numel() for p in model.parameters() if p.requires_grad)
     assert samples_per_s > 0 and flops == pytest.approx(6 * params * samples_per_s * 16)
+
+
+def test_replicas_do_what_their_slowest_benchmark_fits_in_a_round_by_time():
+    from p2ptrain.config import InnerConfig
+    from p2ptrain.inner import replica_steps
+
+    by_time = InnerConfig(round_seconds=10, num_inner_steps=1000, batch_size=16)
+    assert replica_steps(by_time, [320.0, 64.0]) == 40  # 10 s x 64 samples/s / 16
+    assert replica_steps(by_time, [1e9, 1e9]) == 1000, "at most H"
+    assert replica_steps(by_time, [320.0, 0.0]) == 1, "no benchmark published: the slowest there is"
+    assert replica_steps(InnerConfig(num_inner_steps=15), [1.0, 1e9]) == 15, "rounds by steps: H"

@@ -6,6 +6,7 @@ The pure parts (sketches, verdicts, assignment, reputation) are tested in test_v
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -50,6 +51,52 @@ def test_honest_replicas_agree_every_round_and_everyone_counts(tmp_path):
             assert len(verdict.agreed) == 2 and all(len(g) == 2 for g in verdict.agreed), (name, r, verdict)
             assert max(verdict.distances.values()) <= 0.02, verdict.distances
         assert p.trainer.rounds_applied == list(range(p.cfg.outer.num_rounds))
+
+
+def test_rounds_by_time_replicas_do_what_their_slowest_benchmark_fits_and_still_agree(tmp_path, monkeypatch):
+    from p2ptrain import trainer
+
+    speeds = {"a": 400.0, "b": 100.0, "c": 300.0, "d": 200.0}  # samples/s, as if measured at start
+    monkeypatch.setattr(trainer, "benchmark_device", lambda model, cfg, **kw: (speeds[_peer_name()], 1e9))
+    steps: dict[tuple[str, int], int] = {}
+    real_step = trainer.inner_step
+
+    def inner_step(*args, **kwargs):
+        key = (_peer_name(), threading.current_thread().round)  # type: ignore[attr-defined]
+        steps[key] = steps.get(key, 0) + 1
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(trainer, "inner_step", inner_step)
+    real_phase = trainer.Trainer.inner_phase
+
+    def inner_phase(self):
+        threading.current_thread().round = self.round  # type: ignore[attr-defined]
+        return real_phase(self)
+
+    monkeypatch.setattr(trainer.Trainer, "inner_phase", inner_phase)
+    by_time = {"round_seconds": 0.1, "num_inner_steps": 1000, "batch_size": 4}  # at most 40 samples a round
+    swarm = MemorySwarm()
+    peers = start(
+        swarm,
+        tmp_path,
+        ["a", "b", "c", "d"],
+        verification=VERIFY,
+        inner=by_time,
+        device={"benchmark_steps": 1},
+    )
+    finish(peers)
+    assert_swarm_contract(tmp_path, peers, ["a", "b", "c", "d"])
+    for r, verdict in peers["a"].trainer.verdicts:
+        assert not verdict.left_out and len(verdict.agreed) == 2, (r, verdict)
+        for group in verdict.agreed:
+            names = [swarm.name_of(p) for p in group]
+            expected = int(0.1 * min(speeds[n] for n in names) / 4)  # 2.5 to 10 steps: the slowest's fit
+            assert {steps[(n, r)] for n in names} == {expected}, (r, names, steps)
+            assert {swarm.weights[(n, r)] for n in names} == {expected * 4 / 2}, "its samples, shared by two"
+
+
+def _peer_name() -> str:
+    return threading.current_thread().name.removeprefix("trainer-")
 
 
 def test_a_replica_that_commits_to_flipped_work_is_left_out_with_its_group(tmp_path):
