@@ -298,6 +298,8 @@ def join(
         raise fail(result.reason, EXIT_NOT_FINAL)
     if result.outcome == Outcome.FINAL:
         typer.echo(f"Final model: {result.path}")
+    elif result.reason != "stopped":  # it stopped itself (over its memory cap): say why, and fail
+        raise fail(f"{result.reason} (this peer's state is in {result.path})", EXIT_RUNTIME)
     else:
         typer.echo(f"Stopped; this peer's state is in {result.path} (started again, it resumes from it)")
 

@@ -330,6 +330,11 @@ class DeviceConfig(_Section):
     """Autocast dtype of the inner forward pass. Master params and pseudo-gradients stay float32 on CPU."""
     num_threads: int | None = Field(default=None, ge=1)
     """Cap on torch's CPU threads (None: torch's default). The demo sets it so that peers share a machine fairly."""
+    max_memory_gb: float | None = Field(default=None, gt=0.0)
+    """Cap on this peer's memory, so that the volunteer's machine keeps the rest. On CUDA and MPS the
+    allocator is held to it (a step that needs more fails); on any device the peer measures its processes'
+    resident memory after the start-up benchmark's step (device.benchmark_steps) and after every round, and
+    stops with a one-line error naming what it needs when it is over the cap. None: no cap."""
     benchmark_steps: int = Field(default=3, ge=0)
     """Inner steps of the run's model timed on a copy of it when the peer starts: its speed (samples/s and an
     estimate of FLOP/s) goes into its record, `p2ptrain status` and the metrics. 0: no benchmark."""

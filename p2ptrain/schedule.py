@@ -141,3 +141,29 @@ class Machine:
             other_cpu=min(other, 1.0) if other is not None else None,
             on_battery=None if battery is None else not battery.power_plugged,
         )
+
+
+def own_memory_bytes() -> int:
+    """The memory this peer's processes hold (trainer, hivemind's children, ``p2pd``): their proportional set
+    size where the system reports it (shared pages counted once), else their resident set size."""
+    import psutil
+
+    me = psutil.Process()
+    total = 0
+    for p in [me, *me.children(recursive=True)]:
+        try:
+            info = p.memory_full_info() if hasattr(p, "memory_full_info") else p.memory_info()
+            total += getattr(info, "pss", info.rss)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return total
+
+
+def memory_problem(cap_gb: float | None, used_bytes: int, when: str) -> str | None:
+    """Why this peer is over its memory cap (``device.max_memory_gb``), or None."""
+    if cap_gb is None or used_bytes <= cap_gb * 2**30:
+        return None
+    return (
+        f"device.max_memory_gb {cap_gb:g}: this peer's processes hold {used_bytes / 2**30:.2f} GB {when}; raise "
+        "the cap, or train a smaller model (model.name) or batch (inner.batch_size)"
+    )

@@ -43,7 +43,7 @@ from p2ptrain.models import build_model, num_params
 from p2ptrain.progress import InnerProgress, Waiting, terminal_progress_enabled
 from p2ptrain.protocol import BarrierState, BehindState, LingerState, Me
 from p2ptrain.records import MAX_LISTED, MAX_WIRE_PARTS, PeerState, ProgressRecord, live
-from p2ptrain.schedule import Machine, Probe, Schedule
+from p2ptrain.schedule import Machine, Probe, Schedule, memory_problem, own_memory_bytes
 from p2ptrain.transfer import donation, fetch_state
 
 log = get_logger(__name__)
@@ -136,6 +136,8 @@ class Trainer:
         """When the volunteer's machine lets us train (``schedule:``); None: always."""
         self.benchmark_samples_per_s = 0.0
         """Our device's speed at the run's model (``device.benchmark_steps``; 0: not measured)."""
+        self.stop_reason = "stopped"
+        """Why the run stopped before its end (a signal, or the memory cap)."""
         self.pauses: list[tuple[int, str]] = []
         """Every pause: (the round we were in, why)."""
         self.peer_dir: checkpoint.PeerDir | None = None
@@ -219,11 +221,12 @@ class Trainer:
                 report = self.outer_sync(group, stats)
                 self.log_round(report, stats)
                 self.maybe_checkpoint()
+                self.check_memory()
             if stranded is not None:
                 return self.end_stranded(stranded)
             if self.round >= self.cfg.outer.num_rounds:
                 return self.finish()
-            return RunResult(Outcome.INTERRUPTED, self.save(Outcome.INTERRUPTED), "stopped")
+            return RunResult(Outcome.INTERRUPTED, self.save(Outcome.INTERRUPTED), self.stop_reason)
         finally:
             self.shutdown()
 
@@ -285,8 +288,15 @@ class Trainer:
         """Seconds spent in inner phases of this run (restored from checkpoints)."""
         self.rounds_contributed = 0
         """Rounds whose outer step we applied with our own pseudo-gradient (restored from checkpoints)."""
+        if cfg.device.max_memory_gb is not None:
+            self.cap_accelerator_memory(cfg.device.max_memory_gb)
         if cfg.device.benchmark_steps:
             self.benchmark_device()
+        # After the benchmark's step (the inner phase's peak: activations, gradients, AdamW state): a peer
+        # that cannot train under its volunteer's cap says so before it joins any round.
+        problem = memory_problem(cfg.device.max_memory_gb, own_memory_bytes(), "after one inner step")
+        if cfg.device.max_memory_gb is not None and problem is not None:
+            raise ConfigError(problem)
         if cfg.checkpoint.resume:
             self.resume_from_checkpoint()
         self.averager.set_round(self.round)
@@ -307,6 +317,28 @@ class Trainer:
             config_hash=cfg.training_hash(),
         )
         self.agree_on_experiment()
+
+    def cap_accelerator_memory(self, cap_gb: float) -> None:
+        """Hold CUDA's or MPS's allocator to the volunteer's cap (on the CPU, :meth:`check_memory` watches)."""
+        if self.device.type == "cuda":
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, cap_gb * 2**30 / total), self.device)
+        elif self.device.type == "mps":
+            torch.mps.set_per_process_memory_fraction(
+                min(1.0, cap_gb * 2**30 / torch.mps.recommended_max_memory())
+            )
+
+    def check_memory(self) -> None:
+        """Over ``device.max_memory_gb`` after a round: stop cleanly (our state is saved) and say why."""
+        if self.cfg.device.max_memory_gb is None:
+            return
+        problem = memory_problem(
+            self.cfg.device.max_memory_gb, own_memory_bytes(), f"after round {self.round - 1}"
+        )
+        if problem is not None:
+            self.log.error("over the memory cap: stopping", problem=problem)
+            self.stop_reason = problem
+            self.stop.set()
 
     def benchmark_device(self) -> None:
         """Time a few inner steps of the run's model on a copy of it: our device's speed, for the swarm to see."""

@@ -128,3 +128,36 @@ def test_a_paused_peer_costs_the_others_no_wait_and_rejoins_on_its_own(tmp_path)
 def test_a_peer_without_a_schedule_reads_no_machine(tmp_path):
     cfg = fast_config(tmp_path, "a")
     assert Trainer(cfg, stop=threading.Event()).schedule is None
+
+
+def test_memory_over_the_cap_is_named_with_what_it_takes():
+    from p2ptrain.schedule import memory_problem, own_memory_bytes
+
+    used = own_memory_bytes()
+    assert used > 0
+    assert memory_problem(None, used, "now") is None
+    assert memory_problem(used / 2**30 + 1, used, "now") is None
+    problem = memory_problem(0.01, 3 * 2**30, "after one inner step")
+    assert problem is not None and problem.startswith("device.max_memory_gb 0.01: ")
+    assert "3.00 GB after one inner step" in problem
+
+
+def test_a_peer_over_its_memory_cap_refuses_to_start_or_stops_cleanly(tmp_path, monkeypatch):
+    from p2ptrain import trainer
+    from p2ptrain.trainer import Outcome
+
+    swarm = MemorySwarm()
+    capped = fast_config(tmp_path, "a", device={"max_memory_gb": 0.01})  # far below what this process holds
+    refused = PeerThread(swarm, "a", capped).join()
+    assert isinstance(refused, ConfigError) and "device.max_memory_gb 0.01" in str(refused)
+
+    # Under the cap at start; over it after a round (as a leak would be): it stops, saves, and says why.
+    held = [1 * 2**30]
+    monkeypatch.setattr(trainer, "own_memory_bytes", lambda: held[0])
+    cfg = fast_config(tmp_path, "b", device={"max_memory_gb": 2.0})
+    peer = PeerThread(swarm, "b", cfg)
+    peer.wait_until(lambda t: t.round >= 1)
+    held[0] = 3 * 2**30
+    result = peer.join()
+    assert result.outcome == Outcome.INTERRUPTED and "device.max_memory_gb 2: " in result.reason, result
+    assert (tmp_path / "b" / "interrupted.safetensors").exists()
