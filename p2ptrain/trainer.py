@@ -134,7 +134,7 @@ class Trainer:
         self.link: Link | None = None
         self.schedule = Schedule(cfg.schedule, machine or Machine()) if cfg.schedule.enabled else None
         """When the volunteer's machine lets us train (``schedule:``); None: always."""
-        self.benchmark_samples_per_s = 0.0
+        self.benchmark_samples_per_s = self.benchmark_flops = 0.0
         """Our device's speed at the run's model (``device.benchmark_steps``; 0: not measured)."""
         self.stop_reason = "stopped"
         """Why the run stopped before its end (a signal, or the memory cap)."""
@@ -350,8 +350,7 @@ class Trainer:
             steps=cfg.device.benchmark_steps,
             autocast_dtype=getattr(torch, cfg.device.dtype),
         )
-        self.benchmark_samples_per_s = samples_per_s
-        self.board.update(benchmark_samples_per_s=samples_per_s, benchmark_flops=flops)
+        self.benchmark_samples_per_s, self.benchmark_flops = samples_per_s, flops  # published as we join
         telemetry.observe_benchmark(samples_per_s, flops)
         self.log.info(
             "device benchmark",
@@ -391,6 +390,12 @@ class Trainer:
             state=PeerState.LOADING,
             params_hash=self.diloco.params_hash(),
             numeric_class=self.numeric_class,
+            # Who we are as a contributor: our device's speed, and what we gave the run before a restart.
+            benchmark_samples_per_s=self.benchmark_samples_per_s,
+            benchmark_flops=self.benchmark_flops,
+            samples_total=self.samples_total,
+            compute_s=self.compute_s,
+            rounds_contributed=self.rounds_contributed,
         )
         self.board.start()
         if cfg.initial_peers or cfg.initial_peers_file:
@@ -1196,11 +1201,6 @@ class Trainer:
         self.samples_total = state.counters.get("samples_total", 0)
         self.compute_s = state.counters.get("compute_ms", 0) / 1000
         self.rounds_contributed = state.counters.get("rounds_contributed", 0)
-        self.board.update(
-            samples_total=self.samples_total,
-            compute_s=self.compute_s,
-            rounds_contributed=self.rounds_contributed,
-        )
 
         self.log.info(
             "resumed from checkpoint",

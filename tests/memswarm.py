@@ -38,7 +38,6 @@ from tests.conftest import ROOT
 FAST = {
     "run": {"run_id": "mem"},
     "outer": {"num_rounds": 4},
-    "device": {"benchmark_steps": 0},
     "averaging": {
         "matchmaking_time_s": 0.5,  # long enough for every peer past the barrier to arrive, on a busy machine
         "request_timeout_s": 0.25,
