@@ -169,6 +169,10 @@ def swarm_experiment(overrides: dict[str, Any]) -> Any:
             time.sleep(0.5)
     except ExperimentError as e:
         raise fail(str(e), EXIT_USAGE) from None
+    except Exception as e:  # hivemind's own zoo, from a DHT read that failed: one line, not a traceback
+        raise fail(
+            f"could not read the swarm's experiment: {str(e).strip() or type(e).__name__}", EXIT_RUNTIME
+        ) from None
     finally:
         node.shutdown()
     if found is None:
