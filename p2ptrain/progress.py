@@ -8,13 +8,14 @@ from typing import Any
 
 
 class InnerProgress:
-    """``with InnerProgress(enabled, total=H, round=r) as bar: ... bar.update(loss_fn, samples)``.
+    """``with InnerProgress(enabled, total=H, round=r) as bar: ... bar.update(loss_fn, samples)``; ``total`` None:
+    a round by time, whose steps are not known in advance.
 
     Disabled, it does nothing at all. Enabled, it redraws at most every ``refresh_s`` and only then asks
     for the loss (a device sync), so it costs nothing per step.
     """
 
-    def __init__(self, enabled: bool, *, total: int, round: int, refresh_s: float = 0.5):
+    def __init__(self, enabled: bool, *, total: int | None, round: int, refresh_s: float = 0.5):
         self.enabled, self.total, self.round, self.refresh_s = enabled, total, round, refresh_s
         self._progress: Any = None
         self._task: Any = None
@@ -47,7 +48,7 @@ class InnerProgress:
         if self._progress is None:
             return
         now = time.monotonic()
-        if now - self._last < self.refresh_s and steps < self.total:
+        if now - self._last < self.refresh_s and (self.total is None or steps < self.total):
             return
         self._last = now
         rate = samples / max(now - self._started, 1e-9)

@@ -522,11 +522,13 @@ class Trainer:
         last_beat = time.monotonic()
         dtype = getattr(torch, cfg.device.dtype)
         loss_sum = torch.zeros((), device=self.device)  # summed on device: no host sync per step
+        deadline = float("inf") if self.verifying else self._round_deadline(stats.started)
         bar = InnerProgress(
-            terminal_progress_enabled(cfg.log.format), total=cfg.inner.num_inner_steps, round=self.round
+            terminal_progress_enabled(cfg.log.format),
+            total=None if deadline != float("inf") else steps,  # a round by time: as many as fit
+            round=self.round,
         )
         running_loss = lambda: float(loss_sum) / max(stats.steps, 1)  # noqa: E731 - read only when the bar redraws
-        deadline = float("inf") if self.verifying else self._round_deadline(stats.started)
         step_s = 0.0  # how long our last step took: we stop before one that would end well past the deadline
         with bar:
             for _ in range(steps):

@@ -24,6 +24,15 @@ def test_bar_asks_for_the_loss_only_when_it_redraws(monkeypatch):
     assert not terminal_progress_enabled("json")
 
 
+def test_a_round_by_time_has_a_bar_without_a_total(monkeypatch):
+    monkeypatch.setattr("sys.stderr", io.StringIO())
+    asked = []
+    with InnerProgress(True, total=None, round=3, refresh_s=3600) as bar:
+        for step in range(1, 101):
+            bar.update(step, step * 8, lambda: asked.append(1) or 2.0)
+    assert len(asked) == 1, "the first step only: no last step to redraw at"
+
+
 def test_a_wait_is_logged_once_it_lasts_then_at_most_every_period():
     from p2ptrain.progress import Waiting
 
