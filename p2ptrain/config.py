@@ -535,11 +535,7 @@ class ExperimentConfig(BaseSettings):
 
     def agreed_sections(self) -> dict[str, Any]:
         """:meth:`training_sections` without :data:`OWN_FIELDS`: what every peer of a run must agree on."""
-        doc = self.training_sections()
-        for section, names in OWN_FIELDS.items():
-            for name in names:
-                doc[section].pop(name)
-        return doc
+        return without_own_fields(self.training_sections())
 
     def training_hash(self) -> str:
         """Hash of what a checkpoint and a state transfer must agree on: the run, model, data (by content),
@@ -575,6 +571,16 @@ OWN_FIELDS: dict[str, tuple[str, ...]] = {
 }
 """Fields of the training sections that each peer may set for itself: the swarm publishes the run's values
 and a joiner starts from them, but a peer that sets others is not refused."""
+
+
+def without_own_fields(sections: dict[str, Any]) -> dict[str, Any]:
+    """Training sections (as JSON) without :data:`OWN_FIELDS`: a copy, the input is left alone."""
+    return {
+        name: {k: v for k, v in fields.items() if k not in OWN_FIELDS.get(name, ())}
+        if isinstance(fields, dict)
+        else fields
+        for name, fields in sections.items()
+    }
 
 
 def min_corpus_bytes(context_length: int, val_fraction: float) -> int:

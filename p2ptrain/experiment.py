@@ -33,12 +33,12 @@ from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 from pydantic.v1 import BaseModel, conbytes, confloat, constr
 
 from p2ptrain.config import (
-    OWN_FIELDS,
     TRAINING_SECTIONS,
     ConfigError,
     ExperimentConfig,
     deep_merge,
     load_config,
+    without_own_fields,
 )
 from p2ptrain.membership import peer_id_of, peer_id_of_owner
 
@@ -204,14 +204,6 @@ def differences(ours: Mapping[str, Any], theirs: Mapping[str, Any]) -> list[str]
     return out
 
 
-def _agreed(sections: Mapping[str, Any]) -> dict[str, Any]:
-    doc = json.loads(canonical(sections))  # a deep copy
-    for section, names in OWN_FIELDS.items():
-        for name in names:
-            doc.get(section, {}).pop(name, None)
-    return doc
-
-
 def peers_count(n: int) -> str:
     return f"{n} peer" if n == 1 else f"{n} peers"
 
@@ -238,7 +230,7 @@ def check(cfg: ExperimentConfig, experiment: Experiment) -> None:
     Raises:
         ConfigError: one line naming every field that differs, and the experiment.
     """
-    diff = differences(cfg.agreed_sections(), _agreed(experiment.sections))
+    diff = differences(cfg.agreed_sections(), without_own_fields(experiment.sections))
     if not diff:
         return
     data_hint = (

@@ -141,9 +141,9 @@ class Trainer:
         self.pauses: list[tuple[int, str]] = []
         """Every pause: (the round we were in, why)."""
         self.peer_dir: checkpoint.PeerDir | None = None
-        self._next_deadline: float | None = None
-        """With ``inner.round_seconds``: when the next inner phase ends (set when an all-reduce ends)."""
         """This peer's checkpoint directory, held while it runs (``checkpoint.dir``)."""
+        self._next_deadline: float | None = None
+        """With ``inner.round_seconds``: when the next inner phase ends (set as we leave a barrier)."""
         self.maddrs: list[str] = []
         self.val_losses: list[tuple[int, float]] = []
         self.rounds_voided: list[int] = []
@@ -294,8 +294,7 @@ class Trainer:
             self.benchmark_device()
         # After the benchmark's step (the inner phase's peak: activations, gradients, AdamW state): a peer
         # that cannot train under its volunteer's cap says so before it joins any round.
-        problem = memory_problem(cfg.device.max_memory_gb, own_memory_bytes(), "after one inner step")
-        if cfg.device.max_memory_gb is not None and problem is not None:
+        if problem := self._memory_problem("after one inner step"):
             raise ConfigError(problem)
         if cfg.checkpoint.resume:
             self.resume_from_checkpoint()
@@ -330,15 +329,14 @@ class Trainer:
 
     def check_memory(self) -> None:
         """Over ``device.max_memory_gb`` after a round: stop cleanly (our state is saved) and say why."""
-        if self.cfg.device.max_memory_gb is None:
-            return
-        problem = memory_problem(
-            self.cfg.device.max_memory_gb, own_memory_bytes(), f"after round {self.round - 1}"
-        )
-        if problem is not None:
+        if problem := self._memory_problem(f"after round {self.round - 1}"):
             self.log.error("over the memory cap: stopping", problem=problem)
             self.stop_reason = problem
             self.stop.set()
+
+    def _memory_problem(self, when: str) -> str | None:
+        cap = self.cfg.device.max_memory_gb
+        return None if cap is None else memory_problem(cap, own_memory_bytes(), when)
 
     def benchmark_device(self) -> None:
         """Time a few inner steps of the run's model on a copy of it: our device's speed, for the swarm to see."""
@@ -505,7 +503,7 @@ class Trainer:
             self._await_roster()
             rank, world, self._replicas = self.assignment()
             # Replicas do the same steps: with rounds by time, what the slowest of them fits in the round.
-            steps = self._replica_steps(self._replicas)
+            steps = self._replica_steps(self._replicas, self._benchmarks())
             self.inner_opt = make_optimizer(self.diloco.model_params, cfg.inner)
             first_step = self.round * cfg.inner.num_inner_steps
             self._shard = f"{rank}/{world}"
@@ -577,16 +575,21 @@ class Trainer:
         )
         return stats
 
-    def _replica_steps(self, members: Sequence[str]) -> int:
+    def _replica_steps(self, members: Sequence[str], records: dict[str, ProgressRecord]) -> int:
         """The steps each replica of ``members`` does in a verifiable round (``inner.replica_steps``), from
-        their published benchmarks: the same for every replica and in every peer's verdict."""
-        records = self._others()
-        speeds = [
-            self.benchmark_samples_per_s if p == self.peer_id else (r.benchmark_samples_per_s if r else 0.0)
-            for p in members
-            for r in [records.get(p)]
-        ]
+        their published benchmarks in ``records``: the same for every replica and in every peer's verdict."""
+        speeds = []
+        for p in members:
+            record = records.get(p)
+            mine = p == self.peer_id
+            speeds.append(
+                self.benchmark_samples_per_s if mine else record.benchmark_samples_per_s if record else 0.0
+            )
         return replica_steps(self.cfg.inner, speeds)
+
+    def _benchmarks(self) -> dict[str, ProgressRecord]:
+        """The records :meth:`_replica_steps` reads: a reading of the swarm only for rounds by time."""
+        return self._others() if self.cfg.inner.round_seconds else {}
 
     def _round_deadline(self, started: float) -> float:
         """When this round's inner phase ends: with ``inner.round_seconds``, that long after we left the last
@@ -812,8 +815,9 @@ class Trainer:
         # shared by its replicas), never with what it claims.
         batch = self.cfg.inner.batch_size
         groups = {c.peer: c.replicas for c in claims}  # the verdict counts only groups of the assignment
+        records = self._benchmarks()  # one reading for every group's steps
         weights = {
-            p: self._replica_steps(groups.get(p) or (p,)) * batch * share
+            p: self._replica_steps(groups.get(p) or (p,), records) * batch * share
             for p, share in verdict.shares.items()
         }
         # Reducers also check every part they receive against what its sender sealed and sketched.
@@ -1017,7 +1021,9 @@ class Trainer:
                 fallback=self._may_step_alone,
             )
         stats.sync_s = time.monotonic() - t0
-        if self.cfg.inner.round_seconds:
+        if (
+            self.cfg.inner.round_seconds and not self.verifying
+        ):  # verifiable rounds count steps (_replica_steps)
             # The next round's deadline counts from the moment we left the barrier, as every member of the group
             # did, within a poll of each other: our all-reduce, evaluation and bookkeeping come out of our own
             # training time (a slow device is slow at those too), not out of the others' (they would wait for us
