@@ -40,10 +40,10 @@ from hivemind.utils.timed_storage import get_dht_time
 # hivemind's SchemaValidator speaks pydantic v1; the DHT record models use its compatibility module.
 from pydantic.v1 import BaseModel
 
-from p2ptrain import experiment
 from p2ptrain.addrs import SwarmError, is_loopback, read_maddrs_file
 from p2ptrain.config import ExperimentConfig, SwarmConfig
 from p2ptrain.experiment import EXPERIMENTS_KEY, Experiment, ExperimentRecord, published, sign
+from p2ptrain.experiment import subkey as experiment_subkey
 from p2ptrain.logs import get_logger
 from p2ptrain.membership import (
     SwarmKeyAuthorizer,
@@ -130,8 +130,8 @@ def create_dht(
     except TimeoutError:
         stop_dht(dht)
         raise SwarmError(
-            f"no initial peer answered within {cfg.bootstrap_timeout_s:.0f}s: {', '.join(initial_peers)}{keyed}"
-            f"{_GONE if not keyed else ''}"
+            f"no initial peer answered within {cfg.bootstrap_timeout_s:.0f}s: {', '.join(initial_peers)}"
+            f"{keyed or _GONE}"
         ) from None
     except Exception as e:
         stop_dht(dht)
@@ -313,7 +313,7 @@ class Swarm:
         with self._lock:
             self.dht.store(
                 EXPERIMENTS_KEY,
-                subkey=experiment.subkey(self._experiment.run_id, self._public_key),
+                subkey=experiment_subkey(self._experiment.run_id, self._public_key),
                 value=self._experiment.dict(),
                 expiration_time=get_dht_time() + min(3 * self.record_ttl_s, MAX_RECORD_TTL_S),
             )
