@@ -120,7 +120,8 @@ def test_a_paused_peer_costs_the_others_no_wait_and_rejoins_on_its_own(tmp_path)
     finish(peers)
     assert_swarm_contract(tmp_path, peers, ["a", "b", "c"])
     c = peers["c"].trainer
-    assert [why for why, _ in c.loads] == ["catch_up"], "it came back behind, and caught up"
+    # It came back behind and caught up (more than once, when the swarm moved on again while it loaded).
+    assert c.loads and {why for why, _ in c.loads} == {"catch_up"}, c.loads
     assert paused_in not in c.rounds_applied and c.rounds_applied[-1] == 7
     assert all(peers[n].trainer.rounds_applied == list(range(8)) for n in ("a", "b"))
 
