@@ -67,6 +67,7 @@ def run(name: str, sets: list[str], cgroup: Path, workdir: Path) -> dict:
         *sets,
         f"run.run_id=heterogeneous-{name}-{int(time.time())}",
         "device.num_threads=1",
+        "data.eval_by=all",  # the loss-over-time curve reads one peer's loss after every round
         f"swarm.min_peers={PEERS}",
         # Groups of the whole roster: matchmaking ends when everyone is in, in both runs alike.
         f"averaging.target_group_size={PEERS}",

@@ -660,6 +660,17 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
         self._round = int(group_bits, 2)  # the round this peer averages in (round_group_bits)
         await super()._set_group_bits(group_bits, future)
 
+    def expect_group(self, size: int) -> None:
+        """Assemble the next group as soon as ``size`` peers are in (hivemind's ``target_group_size``, which
+        a leader otherwise only reaches by waiting out ``min_matchmaking_time``)."""
+        future = MPFuture()
+        self._outer_pipe.send(("_expect_group", [size], dict(future=future)))
+        future.result(timeout=_PIPE_TIMEOUT_S)
+
+    async def _expect_group(self, size: int, future: MPFuture) -> None:
+        self._matchmaking.target_group_size = size
+        future.set_result(None)
+
     async def _step(self, *, step, future_for_init):
         self._guard_matchmaking()
         return await super()._step(step=step, future_for_init=future_for_init)
@@ -1014,6 +1025,11 @@ class SwarmAverager:
 
     def ban(self, peers: Sequence[str]) -> None:
         self._averager.leave_out(peers, math.inf)
+
+    def expect_group(self, size: int) -> None:
+        """Matchmaking of the next all-reduce ends once ``size`` peers are in (never more than
+        ``averaging.target_group_size``): the barrier knows who is in the round, so nobody waits out a timer."""
+        self._averager.expect_group(min(size, self.cfg.target_group_size))
 
     def set_round(self, round: int) -> None:
         """Tell donors-to-be which round our state is (higher rounds are preferred by hivemind's loader)."""

@@ -79,6 +79,11 @@ class DataConfig(_Section):
     """Fraction of the corpus (its end) held out for validation."""
     eval_batches: int = Field(default=20, ge=1)
     """Validation batches (of inner.batch_size sequences) used to compute the validation loss."""
+    eval_by: Literal["one", "all"] = "one"
+    """Who computes the validation loss after an outer step. 'one': one peer of each averaging group, in turn
+    by round (the group's peers hold the same params, so one evaluation is enough, and the others go on
+    training); 'all': every peer, every round. Every peer evaluates the last round. The round's log line says
+    who did (evaluated_by)."""
 
     @model_validator(mode="after")
     def _check_path(self) -> DataConfig:
@@ -157,9 +162,11 @@ class AveragingConfig(_Section):
     min_group_size: int = Field(default=2, ge=1)
     """Smallest group worth an all-reduce; a peer that finds fewer applies its own pseudo-gradient."""
     target_group_size: int = Field(default=64, ge=2)
-    """Largest group in one all-reduce. DiLoCo wants the whole swarm in one group."""
+    """Largest group in one all-reduce. DiLoCo wants the whole swarm in one group. Matchmaking assembles a
+    group as soon as the peers the barrier saw ready are in (at most this many)."""
     matchmaking_time_s: float = Field(default=3.0, gt=0.0)
-    """How long a peer gathers a group before the all-reduce starts."""
+    """How long a peer gathers a group before the all-reduce starts, at most: a group the barrier expected
+    starts once everyone is in; this timer runs out only when a groupmate fails to show up."""
     request_timeout_s: float = Field(default=1.5, gt=0.0)
     """Timeout of one matchmaking request. Must be smaller than averaging.matchmaking_time_s."""
     matchmaking_timeout_s: float = Field(default=15.0, gt=0.0)

@@ -7,6 +7,7 @@ prints a summary. Every process it starts is stopped before it returns, also on 
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import sys
@@ -84,10 +85,12 @@ def run_demo(
             rounds[r][peer.index] = event
             if len(rounds[r]) == peers:
                 rows = rounds[r].values()
+                # One peer of each group evaluates a round (data.eval_by): the worst loss any of them saw.
+                val = max((e["val_loss"] for e in rows if e.get("val_loss") is not None), default=math.nan)
                 print(
                     f"round {r + 1:>3}/{cfg.outer.num_rounds}  "
                     f"train loss {sum(e['train_loss'] for e in rows) / peers:.4f}  "
-                    f"val loss {max(e['val_loss'] for e in rows):.4f}  "
+                    f"val loss {val:.4f}  "
                     f"groups {sorted(e['group_size'] for e in rows)}  "
                     f"sent {sum(e['bytes_sent'] for e in rows) / peers / 1e6:.2f} MB/peer  "
                     f"{time.monotonic() - t0:6.1f}s",
@@ -150,7 +153,11 @@ def run_demo(
         {
             # Round 0 is the shared initial model; round r + 1 holds the params after the r-th outer step.
             f"peer {p.index}": [(0, initial_val_loss)]
-            + [(int(e["round"]) + 1, float(e["val_loss"])) for e in p.outer_steps()]
+            + [
+                (int(e["round"]) + 1, float(e["val_loss"]))
+                for e in p.outer_steps()
+                if e.get("val_loss") is not None
+            ]
             for p in procs
         },
         workdir / "val_loss.png",

@@ -179,11 +179,13 @@ def run_swarm(
     hostile: dict[int, tuple[str, list[str]]] | None = None,
     extra: dict[int, list[str]] | None = None,
     timeout_s: float = 1800,
+    started: Callable[[list[PeerProcess]], None] | None = None,
 ) -> tuple[list[PeerProcess], list[int]]:
     """Run ``count`` peers of ``base`` join arguments to their end, each with its own checkpoint dir and log
     under ``workdir``; the first one's address is the others' initial peer. ``hostile``: peer index ->
     (module, arguments before ``base``) for a peer that is not plain ``p2ptrain``; ``extra``: index -> more
-    arguments. Returns the processes (stopped) and their exit codes."""
+    arguments. ``started``: called with the list of processes once the first has started (the others are
+    appended to it as they start). Returns the processes (stopped) and their exit codes."""
     hostile, extra = hostile or {}, extra or {}
     procs: list[PeerProcess] = []
     try:
@@ -194,6 +196,8 @@ def run_swarm(
             module, prefix = hostile.get(i, ("p2ptrain", []))
             procs.append(PeerProcess([*prefix, *args], workdir / f"peer{i}.log", index=i, module=module))
             if first is None:
+                if started is not None:
+                    started(procs)
                 first = procs[0].wait_for_maddr(timeout_s=90)
         codes = [p.wait(timeout_s=timeout_s) for p in procs]
     finally:

@@ -443,6 +443,14 @@ def _past(me: Me, others: Records) -> bool:
 # ------------------------------------------------------------------------------------------- the end
 
 
+def evaluator(me: str, group: Iterable[str], round: int) -> str:
+    """Who evaluates the params a group holds after ``round``'s outer step (``data.eval_by: one``). Every peer
+    of an averaging group holds the same params, so one evaluation is enough: the group's members (``group``,
+    as the all-reduce gathered them; empty if we stepped alone) take turns by round."""
+    members = sorted(set(group) | {me})
+    return members[round % len(members)]
+
+
 class LingerState(str, Enum):
     LEAVE = "leave"
     """Every live peer finished with our final params: nobody needs us."""

@@ -237,6 +237,7 @@ class Swarm:
         self._heartbeat: threading.Thread | None = None
         self._experiment: ExperimentRecord | None = None
         self._experiment_stored = -float("inf")
+        self._last_read = -float("inf")
 
     def subscribe(self, observer: RecordsObserver) -> None:
         """Call ``observer`` with every record (``left`` ones included) after every reading."""
@@ -257,7 +258,10 @@ class Swarm:
                 self.publish()
                 if time.monotonic() - self._experiment_stored > self.record_ttl_s:
                     self._store_experiment()
-                self.records()  # keeps our view fresh (and the split watch running) between the trainer's reads
+                # Keeps our view fresh (and the split watch running) between the trainer's reads; one that
+                # read the records within half a beat already did, and a read fetches every peer's record.
+                if time.monotonic() - self._last_read > self.heartbeat_s / 2:
+                    self.records()
             except Exception as e:  # a failed store is retried next beat; the record just ages meanwhile
                 log.warning("progress record not stored", error=repr(e))
             self._wake.wait(self.heartbeat_s)
@@ -323,6 +327,7 @@ class Swarm:
         """Every unexpired record by peer id, ``left`` ones and our own included."""
         with self._lock:
             found = self.dht.get(progress_key(self.run_id), latest=True)
+        self._last_read = time.monotonic()
         records = records_from_dht_value(found)
         for subscriber in self._subscribers:
             subscriber(records)

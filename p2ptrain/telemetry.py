@@ -30,6 +30,7 @@ from prometheus_client import (
     process_collector,
     start_http_server,
 )
+from prometheus_client.core import GaugeMetricFamily
 
 from p2ptrain.logs import get_logger
 from p2ptrain.records import PeerState, ProgressRecord, global_round
@@ -86,6 +87,15 @@ INNER_SECONDS = Counter(
     "Seconds this peer spent in inner phases: the compute it gave the run.",
     registry=PEER,
 )
+WAIT_SECONDS = Counter(
+    "p2ptrain_round_wait_seconds",
+    "Seconds this peer spent in a round outside its inner phase, by phase: barrier (waiting for the round's "
+    "other peers), verify (a verifiable round's reveal and verdict), sync (matchmaking, all-reduce, outer "
+    "step), eval (validation). Utilization = inner phase seconds over all of them.",
+    ["phase"],
+    registry=PEER,
+)
+WAIT_PHASES = ("barrier", "verify", "sync", "eval")
 DEVICE_SAMPLES_PER_SECOND = Gauge(
     "p2ptrain_device_benchmark_samples_per_second",
     "This peer's device speed at the run's model, measured at start (device.benchmark_steps).",
@@ -116,10 +126,30 @@ OUTER_STEP_FAILURES = Counter(
     registry=PEER,
 )
 TRAIN_LOSS = Gauge("p2ptrain_train_loss", "Mean training loss of the last inner phase.", registry=PEER)
-VALIDATION_LOSS = Gauge(
+
+
+class _Reading:
+    """A gauge that is absent until it has a value: a reading a peer takes now and then (its validation loss,
+    when its turn comes: data.eval_by) must not show as 0 before the first one (a dashboard's min() would
+    pick it)."""
+
+    def __init__(self, name: str, documentation: str, registry: CollectorRegistry):
+        self.name, self.documentation = name, documentation
+        self.value: float | None = None
+        registry.register(self)  # type: ignore[arg-type]  # a collector: it has collect()
+
+    def set(self, value: float) -> None:
+        self.value = float(value)
+
+    def collect(self):
+        if self.value is not None:
+            yield GaugeMetricFamily(self.name, self.documentation, value=self.value)
+
+
+VALIDATION_LOSS = _Reading(
     "p2ptrain_validation_loss",
-    "Validation loss of the global params after the last outer step.",
-    registry=PEER,
+    "Validation loss of the global params after the last outer step this peer evaluated (data.eval_by).",
+    PEER,
 )
 SAMPLES = Counter("p2ptrain_samples", "Training samples (sequences) processed by this peer.", registry=PEER)
 SAMPLES_PER_SECOND = Gauge(
@@ -199,6 +229,8 @@ PEER_STATES = tuple(s.value for s in PeerState if s != PeerState.LEFT)
 
 for _reason in FAILURE_REASONS:  # every series exists from the start, at 0, so rate() and alerts work
     OUTER_STEP_FAILURES.labels(reason=_reason)
+for _phase in WAIT_PHASES:
+    WAIT_SECONDS.labels(phase=_phase)
 for _outcome in ("agree", "dissent"):
     VERIFIED_GROUPS.labels(outcome=_outcome)
 for _why in ("dissent", "unmatched", "unrevealed", "misassigned", "banned"):
@@ -244,20 +276,29 @@ def observe_inner_phase(*, steps: int, samples: int, seconds: float, loss: float
 
 
 def observe_outer_step(
-    report: OuterStepReport, *, round: int, duration_s: float, sync_s: float, val_loss: float
+    report: OuterStepReport,
+    *,
+    round: int,
+    duration_s: float,
+    phases: dict[str, float],
+    val_loss: float | None,
 ) -> None:
-    """A round ended with this outer step (``round``: the peer's round now)."""
+    """A round ended with this outer step (``round``: the peer's round now). ``phases``: seconds by
+    ``WAIT_PHASES``; ``val_loss``: None when a groupmate evaluated the round (``data.eval_by``)."""
     if report.applied:
         OUTER_STEPS.inc()
     if report.failure in FAILURE_REASONS:
         OUTER_STEP_FAILURES.labels(reason=report.failure).inc()
     OUTER_STEP_DURATION.observe(duration_s)
-    SYNC_DURATION.observe(sync_s)
+    SYNC_DURATION.observe(phases["sync"])
+    for phase in WAIT_PHASES:
+        WAIT_SECONDS.labels(phase=phase).inc(phases.get(phase, 0.0))
     AVERAGING_SENT.inc(report.bytes_sent)
     AVERAGING_RECEIVED.inc(report.bytes_received)
     OUTLIER_PARTS.inc(sum(report.outliers.values()))
     GROUP_SIZE.set(report.group_size)
-    VALIDATION_LOSS.set(val_loss)
+    if val_loss is not None:
+        VALIDATION_LOSS.set(val_loss)
     ROUND.set(round)
 
 

@@ -11,11 +11,12 @@ that the whole round protocol runs in one process.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import secrets
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -86,6 +87,10 @@ class RunResult:
         return self.outcome in (Outcome.FINAL, Outcome.INTERRUPTED)
 
 
+BARRIER_POLL_S = 0.25
+"""How often the barrier reads the records (or every half heartbeat, if that is shorter): the round's peers
+leave it within this of the last one's arrival; a read fetches every record, so not much more often."""
+
 CLAIM_POLL_START_S = 0.05
 """The first wait between reads of a verifiable round's claims (doubling up to half a heartbeat)."""
 
@@ -97,7 +102,10 @@ class RoundStats:
     samples: int = 0
     started: float = field(default_factory=time.monotonic)
     inner_s: float = 0.0
+    barrier_s: float = 0.0
+    verify_s: float = 0.0
     sync_s: float = 0.0
+    eval_s: float = 0.0
     paused: bool = False
     """The schedule paused us before the inner phase ended: its steps are dropped."""
     weight: float | None = None
@@ -107,6 +115,15 @@ class RoundStats:
     @property
     def loss(self) -> float:
         return self.loss_sum / max(self.steps, 1)
+
+    @contextlib.contextmanager
+    def timing(self, phase: str) -> Iterator[None]:
+        """Add the block's wall time to ``<phase>_s`` (the round's log line and the phase metric report them)."""
+        t0 = time.monotonic()
+        try:
+            yield
+        finally:
+            setattr(self, f"{phase}_s", getattr(self, f"{phase}_s") + time.monotonic() - t0)
 
 
 class Trainer:
@@ -211,11 +228,13 @@ class Trainer:
                     continue
                 if self.verifying:
                     self.seal()
-                group = self.barrier()
+                with stats.timing("barrier"):
+                    group = self.barrier()
                 if group is None:  # the swarm moved on while we trained (our work is stale), or a stop
                     continue
                 if self.verifying:
-                    group = self.verify_round(group, stats)
+                    with stats.timing("verify"):
+                        group = self.verify_round(group, stats)
                     if group is None:  # our replica group was left out: the round's result comes from others
                         continue
                 report = self.outer_sync(group, stats)
@@ -634,7 +653,7 @@ class Trainer:
                     ready=len(decision.ready),
                     waiting_for=len(decision.waiting_for),
                 )
-                if self.stop.wait(self._poll_s):
+                if self.stop.wait(min(BARRIER_POLL_S, self._poll_s)):
                     return None  # stopping: leave the round unfinished rather than step alone
         if decision.timed_out:
             self.memory.waited_out_on(decision.waiting_for, self.round)  # not waited for again for a while
@@ -1012,6 +1031,8 @@ class Trainer:
         t0 = time.monotonic()
         alone = len(group) + 1 < max(self.cfg.averaging.min_group_size, 2)
         round_ = self.round
+        if not alone:
+            self.averager.expect_group(len(group) + 1)  # the barrier's group: nobody waits out a timer
         with self._waiting() as waiting:
             waiting.update(f"round {round_}: averaging", peers=len(group) + 1)
             report = self.diloco.sync(
@@ -1081,17 +1102,37 @@ class Trainer:
                 hint="a broken or hostile peer, or one of another run or config (averaging.reject_radius)",
             )
         duration = time.monotonic() - stats.started  # the round itself, before this peer's evaluation
-        val_loss = evaluate(self.model, self.corpus, self.cfg, self.device)["val_loss"]
-        self.val_losses.append((self.round, val_loss))
+        # One evaluation per group and round, in turn (data.eval_by): the others train on meanwhile. Everyone
+        # evaluates the last round's params, the run's final figure.
+        evaluated_by = protocol.evaluator(
+            self.peer_id, report.peers if report.group_size > 1 else [], report.round
+        )
+        if self.cfg.data.eval_by == "all" or self.round >= self.cfg.outer.num_rounds:
+            evaluated_by = self.peer_id
+        val_loss = None
+        if evaluated_by == self.peer_id:
+            with stats.timing("eval"):
+                val_loss = evaluate(self.model, self.corpus, self.cfg, self.device)["val_loss"]
+            self.val_losses.append((self.round, val_loss))
         telemetry.observe_outer_step(
-            report, round=self.round, duration_s=duration, sync_s=stats.sync_s, val_loss=val_loss
+            report,
+            round=self.round,
+            duration_s=duration,
+            phases={
+                "barrier": stats.barrier_s,
+                "verify": stats.verify_s,
+                "sync": stats.sync_s,
+                "eval": stats.eval_s,
+            },
+            val_loss=val_loss,
         )
         # The canonical line: one per outer step, everything a person or a log pipeline needs about the round.
         self.log.info(
             "outer step",
             round=report.round,
             train_loss=round(stats.loss, 4),
-            val_loss=round(val_loss, 4),
+            val_loss=None if val_loss is None else round(val_loss, 4),
+            evaluated_by=evaluated_by[-8:],
             samples=stats.samples,
             group_size=report.group_size,
             outlier_parts=sum(report.outliers.values()),
@@ -1100,8 +1141,11 @@ class Trainer:
             bytes_received=report.bytes_received,
             delta_norm=round(report.delta_norm, 4),
             duration_s=round(duration, 2),
-            inner_s=round(stats.inner_s, 2),
-            sync_s=round(stats.sync_s, 2),
+            inner_s=round(stats.inner_s, 3),
+            barrier_s=round(stats.barrier_s, 3),
+            verify_s=round(stats.verify_s, 3),
+            sync_s=round(stats.sync_s, 3),
+            eval_s=round(stats.eval_s, 3),
         )
 
     def maybe_checkpoint(self) -> None:

@@ -265,9 +265,13 @@ class MemoryBoard:
 class MemoryAverager:
     def __init__(self, peer: _Peer, codec):
         self._peer, self._codec = peer, codec
+        self._expected: int | None = None
 
     def average(self, tensors, *, weight: float, round: int) -> AverageResult:
         peer = self._peer
+        with peer.swarm._lock:
+            peer.swarm.expected_groups.append((peer.peer_id, round, self._expected))
+        self._expected = None
         cfg = peer.cfg.averaging
         errors = []
         for attempt in range(1 + cfg.retries):
@@ -296,6 +300,9 @@ class MemoryAverager:
 
     def set_round(self, round: int) -> None:
         pass
+
+    def expect_group(self, size: int) -> None:
+        self._expected = size
 
     def leave_out(self, peers, round: int, weights=None, sealed=None) -> None:
         with self._peer.swarm._lock:
@@ -341,6 +348,9 @@ class MemorySwarm:
         """(peer, round) -> the weight each groupmate counts with by that peer's verdict (never its claim)."""
         self.banned_by: dict[str, set[str]] = {}
         """peer -> whom it banned: never averaged with, never served."""
+        self.expected_groups: list[tuple[str, int, int | None]] = []
+        """(peer, round, size) of every all-reduce a peer began: the group size it told its averager to
+        expect (``expect_group``), None if it told none."""
         self.averaged: list[tuple[int, list[str]]] = []
         """(round, the members whose parts made the average) of every all-reduce that produced one."""
         self.sealed: dict[tuple[str, int], dict[str, Sealed]] = {}

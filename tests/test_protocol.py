@@ -331,3 +331,12 @@ def test_final_states_of_peers_that_left_still_count():
 def test_state_enum_values_are_the_wire_strings():
     assert [s.value for s in PeerState] == ["loading", "training", "averaging", "paused", "done", "left"]
     assert rec("a").wire()["state"] == "training"
+
+
+def test_one_peer_of_a_group_evaluates_a_round_and_each_in_turn():
+    group = ["p3", "p1", "p2"]
+    for me in group:
+        others = [p for p in group if p != me]
+        assert {protocol.evaluator(me, others, r) for r in range(3)} == set(group)  # each in turn
+        assert [protocol.evaluator(me, others, r) for r in range(6)] == ["p1", "p2", "p3"] * 2  # all agree
+    assert protocol.evaluator("p9", [], 7) == "p9"  # stepped alone: its params are its own to evaluate

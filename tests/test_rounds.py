@@ -71,6 +71,27 @@ def test_three_peers_train_every_round_together(tmp_path):
         assert p.trainer.last_group_size == 3
 
 
+def test_matchmaking_expects_the_barriers_group_and_one_peer_of_it_evaluates_each_round(tmp_path):
+    memswarm = MemorySwarm()
+    peers = start(memswarm, tmp_path, ["a", "b", "c"])
+    finish(peers)
+    assert_swarm_contract(tmp_path, peers, ["a", "b", "c"])
+    # Every all-reduce began expecting the group that then averaged: nobody waits out a matchmaking timer.
+    groups = {(pid, r): len(members) for r, members in memswarm.averaged for pid in members}
+    assert memswarm.expected_groups and all(
+        size == groups[(pid, r)] for pid, r, size in memswarm.expected_groups if (pid, r) in groups
+    ), (memswarm.expected_groups, memswarm.averaged)
+    # data.eval_by 'one': the params after each round but the last are evaluated by one peer of the group
+    # that made them, in turn; the last round's by every peer.
+    ids = {p.trainer.peer_id: name for name, p in peers.items()}
+    evaluated = {name: dict(p.trainer.val_losses) for name, p in peers.items()}
+    last = peers["a"].cfg.outer.num_rounds
+    for r, members in memswarm.averaged:
+        by = [ids[m] for m in members if r + 1 in evaluated[ids[m]]]
+        assert len(by) == (len(members) if r + 1 == last else 1), (r, members, evaluated)
+    assert len({name for name, rounds in evaluated.items() if set(rounds) - {last}}) > 1  # in turn
+
+
 def test_rounds_by_time_a_slow_peer_does_fewer_steps_weighted_by_its_samples_and_nobody_waits_for_it(
     tmp_path, monkeypatch
 ):

@@ -27,6 +27,7 @@ def test_metric_names_follow_prometheus_conventions():
     labels = {s.name: set(s.labels) - {"le"} for f in families for s in f.samples}
     assert {k for v in labels.values() for k in v} <= {
         "reason",
+        "phase",
         "outcome",
         "state",
         "peer_id",
@@ -73,7 +74,18 @@ def test_exposed_metrics_parse_with_prometheus_own_parser():
 
 def test_the_bootstrap_node_exports_only_swarm_wide_series():
     """A node that does not train must not export a peer's series at 0 (a dashboard's min() would pick it)."""
+    telemetry.VALIDATION_LOSS.set(2.0)
     node = {m.name for m in telemetry.NODE.collect() if m.name.startswith("p2ptrain_")}
     peer = {m.name for m in telemetry.REGISTRY.collect() if m.name.startswith("p2ptrain_")}
     assert node == {"p2ptrain_peer", *(n for n in peer if n.startswith("p2ptrain_swarm_"))}
     assert {"p2ptrain_validation_loss", "p2ptrain_round", "p2ptrain_train_loss"} <= peer - node
+
+
+def test_validation_loss_is_absent_until_the_peer_evaluates(monkeypatch):
+    """With data.eval_by 'one' a peer evaluates in turn: before its first turn it shows no loss, never 0."""
+    monkeypatch.setattr(telemetry.VALIDATION_LOSS, "value", None)
+    names = lambda: {m.name for m in telemetry.REGISTRY.collect()}  # noqa: E731
+    assert "p2ptrain_validation_loss" not in names()
+    telemetry.VALIDATION_LOSS.set(3.25)
+    assert "p2ptrain_validation_loss" in names()
+    assert "p2ptrain_validation_loss 3.25" in generate_latest(telemetry.REGISTRY).decode()

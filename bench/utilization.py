@@ -1,0 +1,184 @@
+"""Utilization: how much of a peer's life goes into training. Real peers of the default experiment (the demo's
+swarm: 3 peers on 127.0.0.1, one CPU thread each), run side by side in one go under each setting below, and
+from each peer's own log lines: the share of its time after start-up in each phase of a round —
+
+- **inner**: the inner phase (training; utilization is this share),
+- **barrier**: waiting for the round's other peers to finish theirs,
+- **verify**: a verifiable round's reveal and verdict (0 here: verification is off by default),
+- **sync**: matchmaking, all-reduce and outer step,
+- **eval**: the validation loss (``data.eval_by``),
+- **other**: the rest (reading and publishing records, checkpoints, logging),
+
+and the final validation loss.
+
+    python -m bench.utilization [--rounds 16] [--peers 3]
+
+Writes bench/results/utilization.json and the utilization table in docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import shutil
+import threading
+import time
+from datetime import datetime
+from pathlib import Path
+
+import psutil
+import torch
+
+from bench.report import RESULTS, replace_block
+from p2ptrain.localswarm import LOOPBACK, run_swarm
+
+ROOT = Path(__file__).resolve().parent.parent
+PHASES = ("inner", "barrier", "verify", "sync", "eval")
+
+SETTINGS: dict[str, tuple[str, list[str]]] = {
+    "every_peer_evaluates": ("every peer evaluates every round (data.eval_by=all)", ["data.eval_by=all"]),
+    "default": ("the default: one peer of the group evaluates, in turn", []),
+}
+
+
+def _ts(event: dict) -> float:
+    return datetime.fromisoformat(event["timestamp"]).timestamp()
+
+
+def phase_shares(steps: list[dict]) -> dict:
+    """Per-phase seconds and shares of one peer's life, from its first inner phase to its last outer step."""
+    span = _ts(steps[-1]) - (_ts(steps[0]) - steps[0]["duration_s"])
+    seconds = {phase: sum(s.get(f"{phase}_s", 0.0) for s in steps) for phase in PHASES}
+    seconds["other"] = span - sum(seconds.values())
+    return {
+        "span_s": round(span, 2),
+        "seconds": {k: round(v, 2) for k, v in seconds.items()},
+        "shares": {k: round(v / span, 3) for k, v in seconds.items()},
+        "utilization": round(seconds["inner"] / span, 3),
+        "rounds": len(steps),
+        "seconds_per_round": round(span / len(steps), 3),
+    }
+
+
+class P2pdBytes:
+    """The bytes each peer's ``p2pd`` read and wrote (``/proc/<pid>/io``), sampled every half second until the
+    peers exit. Everything a peer sends or receives (DHT records, matchmaking, the all-reduce) passes through
+    its p2pd twice: once between the peer's processes and p2pd, once on the wire; half of p2pd's read and
+    write bytes is the peer's traffic (libp2p's own framing and encryption aside). Linux only."""
+
+    def __init__(self):
+        self.last: dict[int, dict[int, int]] = {}  # peer index -> p2pd pid -> rchar + wchar
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self, procs) -> None:
+        self._thread = threading.Thread(target=self._loop, args=(procs,), daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def _loop(self, procs) -> None:
+        while not self._stop.wait(0.5):
+            for p in list(procs):
+                try:
+                    children = psutil.Process(p.proc.pid).children(recursive=True)
+                except psutil.Error:
+                    continue
+                for child in children:
+                    try:
+                        if child.name() == "p2pd":
+                            io = child.io_counters()
+                            self.last.setdefault(p.index, {})[child.pid] = io.read_chars + io.write_chars
+                    except psutil.Error:
+                        pass
+
+    def traffic(self, index: int) -> int:
+        """Bytes sent plus received by peer ``index`` (half its p2pd's read and write bytes)."""
+        return sum(self.last.get(index, {}).values()) // 2
+
+
+def run(name: str, sets: list[str], peers: int, rounds: int, workdir: Path) -> dict:
+    shutil.rmtree(workdir, ignore_errors=True)  # a fresh swarm: no checkpoint of an earlier run to resume
+    base = ["join", "--config", str(ROOT / "configs" / "default.yaml"), "--host-maddrs", LOOPBACK]
+    base += ["--log-format", "json"]
+    for item in [
+        *sets,
+        f"run.run_id=utilization-{name}-{int(time.time())}",
+        f"outer.num_rounds={rounds}",
+        "device.num_threads=1",  # as the demo on 2 cores
+        f"swarm.min_peers={peers}",
+    ]:
+        base += ["--set", item]
+    sampler = P2pdBytes()
+    procs, codes = run_swarm(base, workdir, peers, timeout_s=1800, started=sampler.start)
+    sampler.stop()
+    if any(codes):
+        raise SystemExit(f"{name}: exit codes {codes}; logs in {workdir}")
+    per_peer = [phase_shares(p.outer_steps()) for p in procs]
+    for p, shares in zip(procs, per_peer):
+        steps = p.outer_steps()
+        payload = sum(s["bytes_sent"] + s["bytes_received"] for s in steps)
+        total = sampler.traffic(p.index)
+        shares["bytes_per_round"] = total // len(steps)
+        shares["payload_bytes_per_round"] = payload // len(steps)
+        shares["non_payload_bytes_per_round"] = (total - payload) // len(steps)
+    finals = [s["val_loss"] for p in procs for s in p.outer_steps()[-1:] if s.get("val_loss") is not None]
+    mean = {k: round(sum(p["shares"][k] for p in per_peer) / len(per_peer), 3) for k in (*PHASES, "other")}
+    return {
+        "sets": sets,
+        "non_payload_bytes_per_round": round(
+            sum(p["non_payload_bytes_per_round"] for p in per_peer) / len(per_peer)
+        ),
+        "peers": per_peer,
+        "mean_shares": mean,
+        "utilization": [p["utilization"] for p in per_peer],
+        "final_val_loss": max(finals),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=16)
+    ap.add_argument("--peers", type=int, default=3)
+    ap.add_argument("--only", nargs="*", default=list(SETTINGS), choices=list(SETTINGS))
+    ap.add_argument("--workdir", type=Path, default=ROOT / "runs" / "bench-utilization")
+    args = ap.parse_args()
+    results = {}
+    for name in args.only:
+        label, sets = SETTINGS[name]
+        print(f"{name}: {label}", flush=True)
+        results[name] = run(name, sets, args.peers, args.rounds, args.workdir / name)
+        print(
+            f"  utilization {results[name]['utilization']}, shares {results[name]['mean_shares']}", flush=True
+        )
+    out = {
+        "machine": {"cpu_count": torch.get_num_threads(), "platform": platform.platform()},
+        "experiment": {"config": "configs/default.yaml", "peers": args.peers, "rounds": args.rounds},
+        "results": results,
+    }
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "utilization.json").write_text(json.dumps(out, indent=2) + "\n")
+    rows = [
+        "| setting | utilization per peer | inner | barrier | sync | eval | other | s per round "
+        "| non-payload kB per peer per round | final val loss |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for name, r in results.items():
+        m = r["mean_shares"]
+        per_round = sum(p["seconds_per_round"] for p in r["peers"]) / len(r["peers"])
+        rows.append(
+            f"| {SETTINGS[name][0]} | {', '.join(f'{u:.2f}' for u in r['utilization'])} | {m['inner']:.2f} | "
+            f"{m['barrier']:.2f} | {m['sync']:.2f} | {m['eval']:.2f} | {m['other']:.2f} | {per_round:.2f} | "
+            f"{r['non_payload_bytes_per_round'] / 1e3:.0f} | "
+            f"{r['final_val_loss']:.4f} |"
+        )
+    replace_block("utilization", rows)
+    print("\n".join(rows))
+
+
+if __name__ == "__main__":
+    main()
