@@ -48,6 +48,8 @@ bench: $(STAMP)
 	$(BIN)/python -m bench.replicas
 	$(BIN)/python -m bench.verification
 	$(BIN)/python -m bench.heterogeneous
+	$(BIN)/python -m bench.utilization
+	$(BIN)/python -m bench.overlap
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

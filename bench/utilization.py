@@ -13,7 +13,10 @@ and the final validation loss.
 
     python -m bench.utilization [--rounds 16] [--peers 3]
 
-Writes bench/results/utilization.json and the utilization table in docs/benchmarks.md.
+Then the default setting again with 2, 3, 4 and 6 peers: the non-payload traffic per peer per round (DHT
+records, matchmaking) against the swarm's size.
+
+Writes bench/results/utilization.json and the utilization and traffic tables in docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -39,6 +42,10 @@ PHASES = ("inner", "barrier", "verify", "sync", "eval")
 SETTINGS: dict[str, tuple[str, list[str]]] = {
     "every_peer_evaluates": ("every peer evaluates every round (data.eval_by=all)", ["data.eval_by=all"]),
     "default": ("the default: one peer of the group evaluates, in turn", []),
+    "overlap": (
+        "overlap: the sync of round r runs while round r+1 trains (outer.overlap)",
+        ["outer.overlap=true"],
+    ),
 }
 
 
@@ -145,6 +152,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=16)
     ap.add_argument("--peers", type=int, default=3)
     ap.add_argument("--only", nargs="*", default=list(SETTINGS), choices=list(SETTINGS))
+    ap.add_argument("--traffic-peers", type=int, nargs="*", default=[2, 3, 4, 6])
     ap.add_argument("--workdir", type=Path, default=ROOT / "runs" / "bench-utilization")
     args = ap.parse_args()
     results = {}
@@ -155,10 +163,26 @@ def main() -> None:
         print(
             f"  utilization {results[name]['utilization']}, shares {results[name]['mean_shares']}", flush=True
         )
+    # Traffic against swarm size: the default setting with N peers (on one machine the rounds slow down as N
+    # grows; traffic is counted per round, so that does not change it much).
+    traffic = {}
+    for n in args.traffic_peers:
+        r = results["default"] if n == args.peers and "default" in results else None
+        if r is None:
+            print(f"traffic: {n} peers", flush=True)
+            r = run(f"traffic-{n}", [], n, args.rounds, args.workdir / f"traffic-{n}")
+        traffic[n] = {
+            "non_payload_bytes_per_round": r["non_payload_bytes_per_round"],
+            "payload_bytes_per_round": round(
+                sum(p["payload_bytes_per_round"] for p in r["peers"]) / len(r["peers"])
+            ),
+            "seconds_per_round": round(sum(p["seconds_per_round"] for p in r["peers"]) / len(r["peers"]), 2),
+        }
     out = {
         "machine": {"cpu_count": torch.get_num_threads(), "platform": platform.platform()},
         "experiment": {"config": "configs/default.yaml", "peers": args.peers, "rounds": args.rounds},
         "results": results,
+        "traffic_by_peers": traffic,
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "utilization.json").write_text(json.dumps(out, indent=2) + "\n")
@@ -170,13 +194,26 @@ def main() -> None:
     for name, r in results.items():
         m = r["mean_shares"]
         per_round = sum(p["seconds_per_round"] for p in r["peers"]) / len(r["peers"])
+        other = f"{m['other']:.2f}" if m["other"] > -0.01 else "—"  # overlap: the phases overlap training
         rows.append(
             f"| {SETTINGS[name][0]} | {', '.join(f'{u:.2f}' for u in r['utilization'])} | {m['inner']:.2f} | "
-            f"{m['barrier']:.2f} | {m['sync']:.2f} | {m['eval']:.2f} | {m['other']:.2f} | {per_round:.2f} | "
+            f"{m['barrier']:.2f} | {m['sync']:.2f} | {m['eval']:.2f} | {other} | {per_round:.2f} | "
             f"{r['non_payload_bytes_per_round'] / 1e3:.0f} | "
             f"{r['final_val_loss']:.4f} |"
         )
     replace_block("utilization", rows)
+    print("\n".join(rows))
+    smallest = traffic[min(traffic)]["non_payload_bytes_per_round"] if traffic else 1
+    rows = [
+        "| peers | non-payload kB per peer per round | vs the smallest swarm | payload kB per peer per round |",
+        "| --- | --- | --- | --- |",
+    ]
+    for n, t in traffic.items():
+        rows.append(
+            f"| {n} | {t['non_payload_bytes_per_round'] / 1e3:.0f} | "
+            f"{t['non_payload_bytes_per_round'] / smallest:.2f} | {t['payload_bytes_per_round'] / 1e3:.0f} |"
+        )
+    replace_block("traffic", rows)
     print("\n".join(rows))
 
 

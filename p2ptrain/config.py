@@ -134,6 +134,11 @@ class OuterConfig(_Section):
     """Use Nesterov momentum for the outer step (DiLoCo: yes)."""
     num_rounds: int = Field(default=16, ge=1)
     """Outer rounds to train. Every peer stops after this round and writes the final model."""
+    overlap: bool = False
+    """Average a round's pseudo-gradient while the next round trains (a one-step-delayed outer step): the
+    barrier, all-reduce, outer step and evaluation of round r run in the background during round r+1's inner
+    phase, whose progress so far is carried over onto the new global params when they land. Verifiable
+    rounds (verification.replicas > 1) never overlap: replicas must start a round from its params."""
 
 
 class AveragingConfig(_Section):

@@ -88,6 +88,16 @@ class OuterStepReport:
 
 
 @dataclass
+class _Detached:
+    delta: list[torch.Tensor]
+    """The round's pseudo-gradient, frozen: what its sync sends."""
+    start: list[torch.Tensor]
+    """The local params the model went on training from (CPU, float32)."""
+    keep: bool = True
+    """Whether the inner progress made since is carried over onto the master params when the sync lands."""
+
+
+@dataclass
 class Snapshot:
     round: int
     params: list[torch.Tensor]
@@ -102,6 +112,13 @@ class DiLoCo:
     Thread safety: :meth:`snapshot` may be called from hivemind's state-sharing thread while the
     trainer runs :meth:`outer_step`; both hold ``self.lock``, so a newcomer never downloads a
     half-updated state.
+
+    Overlap (``outer.overlap``): :meth:`detach` freezes the round's pseudo-gradient, and the round's sync
+    (another thread) works on that and on the master copy only, while the model trains the next round.
+    Meanwhile every call that would overwrite the model only says what should become of it: carry the
+    inner progress made since over onto the new master params (after an outer step, a void round, a
+    rebase), or drop it (a failed or stale round, a state loaded instead). :meth:`land`, between two inner
+    steps, does it.
     """
 
     def __init__(
@@ -125,11 +142,42 @@ class DiLoCo:
         """The round whose global params ``master`` holds; advanced by :meth:`outer_step`, under the lock."""
         self._version = 0  # bumped whenever master changes; keys the cached params hash
         self._hash: tuple[int, str] | None = None
+        self._detached: _Detached | None = None
 
     def pseudo_gradient(self) -> list[torch.Tensor]:
-        """delta = master - local, in float32 on CPU."""
+        """delta = master - local, in float32 on CPU (while detached: the frozen one)."""
+        detached = self._detached
+        if detached is not None:
+            return [d.clone() for d in detached.delta]
         with torch.no_grad():
             return [m - p.detach().to("cpu", torch.float32) for m, p in zip(self.master, self.model_params)]
+
+    @property
+    def detached(self) -> bool:
+        """A sync of a frozen pseudo-gradient is in flight while the model trains on (:meth:`detach`)."""
+        return self._detached is not None
+
+    def detach(self) -> None:
+        """Freeze this round's pseudo-gradient, and the local params the model trains on from: the round's
+        sync may now run in another thread while the model trains the next round (until :meth:`land`)."""
+        with torch.no_grad(), self.lock:
+            local = [p.detach().to("cpu", torch.float32, copy=True) for p in self.model_params]
+            self._detached = _Detached(delta=[m - loc for m, loc in zip(self.master, local)], start=local)
+
+    def land(self) -> bool:
+        """End a detached sync (in the thread that trains the model, between two steps): carry the inner
+        progress made since :meth:`detach` over onto the master params (local += master - start), or drop it
+        (local = master) if the sync said so. Returns whether the progress was kept."""
+        with torch.no_grad(), self.lock:
+            detached, self._detached = self._detached, None
+            if detached is None:
+                return True
+            if not detached.keep:
+                self._copy_master_to_model()
+                return False
+            for p, m, start in zip(self.model_params, self.master, detached.start):
+                p.add_((m - start).to(p.device, p.dtype))
+            return True
 
     def outer_step(self, averaged_delta: Sequence[torch.Tensor]) -> None:
         """Apply one outer SGD step with ``averaged_delta`` as the gradient; copy the result to the model."""
@@ -140,27 +188,49 @@ class DiLoCo:
             self.optimizer.zero_grad(set_to_none=True)
             self.round += 1
             self._version += 1
-        self.reset_model()
+        self._next_round_from_master()
 
     def void_round(self) -> None:
         """End the round without a step: nobody's pseudo-gradient counts (the params stay, the round passes)."""
         with self.lock:
             self.round += 1
             self._version += 1
+        self._next_round_from_master()
+
+    def _next_round_from_master(self) -> None:
+        """The model starts the next round from the master params (detached: keeps what it trained since)."""
+        if self._mark_detached(keep=True):
+            return
         self.reset_model()
 
     def reset_model(self) -> None:
-        """Overwrite the device params with the master params (start of a round, or undoing one)."""
+        """Overwrite the device params with the master params (start of a round, or undoing one). Detached:
+        the inner progress made since :meth:`detach` is to be dropped when the sync lands."""
+        if self._mark_detached(keep=False):
+            return
         with torch.no_grad():
-            for p, m in zip(self.model_params, self.master):
-                p.copy_(m.to(p.device, p.dtype))
+            self._copy_master_to_model()
+
+    def _copy_master_to_model(self) -> None:
+        for p, m in zip(self.model_params, self.master):
+            p.copy_(m.to(p.device, p.dtype))
+
+    def _mark_detached(self, *, keep: bool) -> bool:
+        with self.lock:
+            if self._detached is None:
+                return False
+            self._detached.keep = keep
+            return True
 
     def rebase(self, delta: Sequence[torch.Tensor]) -> None:
         """Put our inner progress on top of (new) master params: local = master - delta.
 
         Used when a peer finds, after its inner phase, that its global params differ from the swarm's: it
         adopts the swarm's params and keeps its pseudo-gradient, instead of throwing the round's work away.
+        Detached, the frozen pseudo-gradient is the one kept, and the model gets it when the sync lands.
         """
+        if self._mark_detached(keep=True):
+            return
         with torch.no_grad():
             for p, m, d in zip(self.model_params, self.master, delta):
                 p.copy_((m - d).to(p.device, p.dtype))

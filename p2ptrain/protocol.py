@@ -353,6 +353,20 @@ def roster_ids(me: Me, others: Records) -> list[str]:
     return sorted(ids | {me.peer_id})
 
 
+def next_roster(me: Me, others: Records) -> tuple[int, int]:
+    """Our rank and world size in the round after ours, which we train while ours is averaged
+    (``outer.overlap``): the peers already in it, and those averaging ours, who will be."""
+    coming = (PeerState.LOADING, PeerState.TRAINING, PeerState.AVERAGING)
+    ids = {
+        pid
+        for pid, r in others.items()
+        if (r.round == me.round + 1 and r.state in coming)
+        or (r.round == me.round and r.state == PeerState.AVERAGING)
+    }
+    ordered = sorted(ids | {me.peer_id})
+    return ordered.index(me.peer_id), len(ordered)
+
+
 class BarrierState(str, Enum):
     GO = "go"
     """Every live peer of our round is ready (or the deadline passed): average with ``ready``."""

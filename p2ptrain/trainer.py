@@ -12,6 +12,7 @@ that the whole round protocol runs in one process.
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import secrets
 import threading
@@ -108,6 +109,8 @@ class RoundStats:
     eval_s: float = 0.0
     paused: bool = False
     """The schedule paused us before the inner phase ended: its steps are dropped."""
+    dropped: bool = False
+    """The previous round's sync (overlap) failed or went stale while we trained: these steps are dropped."""
     weight: float | None = None
     """A verifiable round's weight for us, as the verdict gives it (a full inner phase's samples over our
     replica group's size): we send exactly that (reducers refuse any other)."""
@@ -124,6 +127,35 @@ class RoundStats:
             yield
         finally:
             setattr(self, f"{phase}_s", getattr(self, f"{phase}_s") + time.monotonic() - t0)
+
+
+class _Background:
+    """A round's sync in a daemon thread (``outer.overlap``): :meth:`result` hands on what it raised."""
+
+    def __init__(self, fn: Callable[[RoundStats], None], stats: RoundStats, *, round: int, steps: int):
+        self.round = round
+        self.steps = steps
+        """The inner steps the peer had taken when the sync began."""
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(fn, stats), name=f"sync-{round}", daemon=True)
+        self._thread.start()
+
+    def _run(self, fn: Callable[[RoundStats], None], stats: RoundStats) -> None:
+        try:
+            fn(stats)
+        except BaseException as e:  # an injected crash too: the training thread re-raises it
+            self._error = e
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def join(self, timeout: float | None = None) -> None:
+        self._thread.join(timeout)
+
+    def result(self) -> None:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
 
 
 class Trainer:
@@ -159,6 +191,14 @@ class Trainer:
         """Every pause: (the round we were in, why)."""
         self.peer_dir: checkpoint.PeerDir | None = None
         """This peer's checkpoint directory, held while it runs (``checkpoint.dir``)."""
+        self.overlapping = cfg.outer.overlap and cfg.verification.replicas == 1
+        """Each round's sync runs in the background while the next round trains (``outer.overlap``)."""
+        self._sync: _Background | None = None
+        """The round whose sync is in flight (overlap), until it lands."""
+        self.overlapped: list[tuple[int, int]] = []
+        """Every overlapped sync as it landed: (its round, the inner steps of the next round taken meanwhile)."""
+        self._eval_model: torch.nn.Module | None = None
+        """With overlap: a copy of the model that evaluates the master params while the model trains."""
         self._next_deadline: float | None = None
         """With ``inner.round_seconds``: when the next inner phase ends (set as we leave a barrier)."""
         self.maddrs: list[str] = []
@@ -216,15 +256,28 @@ class Trainer:
                 self.pause_while_asked()  # the volunteer's machine comes first
                 if self.stop.is_set():
                     break
-                stranded = self.catch_up()  # may jump several rounds, up to the end of the run
-                if stranded is not None or self.round >= self.cfg.outer.num_rounds:
-                    break
-                bind(round=self.round)
+                if self._sync is None:
+                    stranded = self.catch_up()  # may jump several rounds, up to the end of the run
+                    if stranded is not None or self.round >= self.cfg.outer.num_rounds:
+                        break
+                elif self._sync.round + 1 >= self.cfg.outer.num_rounds:
+                    self.land()  # the last round's sync: no round left to train meanwhile
+                    continue
+                bind(round=self.training_round)
                 self.referee()  # a dissent we were drawn to settle: recompute its shard first
-                stats = self.inner_phase()
+                stats = self.inner_phase()  # with a sync in flight, takes its result in when it lands
                 if self.stop.is_set():
                     break
+                if not self.land() or stats.dropped:  # the previous round's sync failed or went stale
+                    continue
                 if stats.paused:  # cut short by the schedule: the round goes on without us
+                    continue
+                if self.overlapping:  # the round's sync runs while the next round trains
+                    self.board.update(state=PeerState.AVERAGING)
+                    self.diloco.detach()
+                    self._sync = _Background(
+                        self.sync_round, stats, round=self.round, steps=self.inner_steps_total
+                    )
                     continue
                 if self.verifying:
                     self.seal()
@@ -239,15 +292,51 @@ class Trainer:
                         continue
                 report = self.outer_sync(group, stats)
                 self.log_round(report, stats)
-                self.maybe_checkpoint()
-                self.check_memory()
+                self.end_round()
+            self.land()
             if stranded is not None:
                 return self.end_stranded(stranded)
             if self.round >= self.cfg.outer.num_rounds:
                 return self.finish()
             return RunResult(Outcome.INTERRUPTED, self.save(Outcome.INTERRUPTED), self.stop_reason)
         finally:
+            if self._sync is not None and not self._sync.done():  # we are failing: end its waits, then stop
+                self.stop.set()
+                self._sync.join(timeout=self.cfg.swarm.heartbeat_s * 4)
             self.shutdown()
+
+    @property
+    def training_round(self) -> int:
+        """The round the model trains: ours, or, while ours is averaged in the background, the next one."""
+        return self._sync.round + 1 if self._sync is not None else self.round
+
+    def sync_round(self, stats: RoundStats) -> None:
+        """A round's barrier, all-reduce, outer step and evaluation, in the background (``outer.overlap``):
+        they work on the round's frozen pseudo-gradient and the master params, while the model trains on."""
+        with stats.timing("barrier"):
+            group = self.barrier()
+        if group is None:  # the swarm moved on (our work is stale: dropped when this lands), or a stop
+            return
+        report = self.outer_sync(group, stats)
+        self.log_round(report, stats)
+
+    def land(self) -> bool:
+        """Wait for the round's sync in flight, if any, and take its result into the model, in this thread:
+        the inner progress made since carries over onto the new params, or is dropped if the sync failed or
+        went stale (returns False; the loop then catches up). Then what ends a round: checkpoint, memory."""
+        if self._sync is None:
+            return True
+        sync, self._sync = self._sync, None
+        sync.join()
+        kept = self.diloco.land()
+        self.overlapped.append((sync.round, self.inner_steps_total - sync.steps))
+        sync.result()  # its exception, if it failed (a crash, a bug): ours
+        self.end_round()
+        return kept
+
+    def end_round(self) -> None:
+        self.maybe_checkpoint()
+        self.check_memory()
 
     # ------------------------------------------------------------------------------ the phases
 
@@ -273,6 +362,8 @@ class Trainer:
                     f"all-reduce in {parts} parts, and a verifiable round binds {MAX_WIRE_PARTS} at most"
                 )
         error_feedback = ErrorFeedback(self.codec, shapes) if cfg.averaging.error_feedback else None
+        if self.overlapping:  # evaluates the master params while the model trains the next round
+            self._eval_model = copy.deepcopy(self.model)
         self.diloco = DiLoCo(
             self.model,
             lr=cfg.outer.lr,
@@ -440,6 +531,7 @@ class Trainer:
         may have fallen behind: the loop catches up with the swarm before it trains."""
         if self.schedule is None or (reason := self.schedule.check()) is None:
             return
+        self.land()  # a round's sync in flight ends first (the swarm counts on it)
         started = time.monotonic()
         self.pauses.append((self.round, reason))
         self.diloco.reset_model()  # an inner phase cut short: its steps are dropped
@@ -528,13 +620,19 @@ class Trainer:
             self._shard = f"{rank}/{world}"
             roster = self._roster_claim()
             claims = dict(self._no_claims(), shard=self._shard, replicas=list(self._replicas), roster=roster)
+        elif self._sync is not None:  # our round is averaged meanwhile: we train the next one
+            rank, world = protocol.next_roster(self.me(), self._visible())
+            first_step, claims = self.inner_steps_total, {}
         else:
             rank, world = protocol.roster(self.me(), self._visible())
             first_step, claims = self.inner_steps_total, {}
-        starts = self.corpus.shard(seed=cfg.run.seed, round=self.round, rank=rank, world=world)
+        round_ = self.training_round
+        starts = self.corpus.shard(seed=cfg.run.seed, round=round_, rank=rank, world=world)
         batches = self.corpus.batches(starts, cfg.inner.batch_size)
         stats = RoundStats()
-        self.board.update(state=PeerState.TRAINING, samples_round=0, **claims)
+        # With a sync in flight, our record says averaging (our round) until it lands.
+        state = {"state": PeerState.TRAINING} if self._sync is None else {}
+        self.board.update(samples_round=0, **state, **claims)
         self.model.train()
         last_beat = time.monotonic()
         dtype = getattr(torch, cfg.device.dtype)
@@ -543,13 +641,16 @@ class Trainer:
         bar = InnerProgress(
             terminal_progress_enabled(cfg.log.format),
             total=None if deadline != float("inf") else steps,  # a round by time: as many as fit
-            round=self.round,
+            round=round_,
         )
         running_loss = lambda: float(loss_sum) / max(stats.steps, 1)  # noqa: E731 - read only when the bar redraws
         step_s = 0.0  # how long our last step took: we stop before one that would end well past the deadline
         with bar:
             for _ in range(steps):
                 if self.stop.is_set() or (stats.steps and time.monotonic() + step_s / 2 >= deadline):
+                    break
+                if self._sync is not None and self._sync.done() and not self.land():
+                    stats.dropped = True  # that sync failed or went stale: these steps are dropped
                     break
                 if self.schedule is not None and self.schedule.check() is not None:
                     stats.paused = True
@@ -1043,8 +1144,8 @@ class Trainer:
             )
         stats.sync_s = time.monotonic() - t0
         if (
-            self.cfg.inner.round_seconds and not self.verifying
-        ):  # verifiable rounds count steps (_replica_steps)
+            self.cfg.inner.round_seconds and not self.verifying and not self.overlapping
+        ):  # verifiable rounds count steps (_replica_steps); overlapped ones train on back to back
             # The next round's deadline counts from the moment we left the barrier, as every member of the group
             # did, within a poll of each other: our all-reduce, evaluation and bookkeeping come out of our own
             # training time (a slow device is slow at those too), not out of the others' (they would wait for us
@@ -1080,7 +1181,8 @@ class Trainer:
         return report
 
     def _waiting(self) -> Waiting:
-        return Waiting(terminal_progress_enabled(self.cfg.log.format), self.log)
+        # A sync in the background (overlap) waits without a spinner: the inner phase's bar has the terminal.
+        return Waiting(terminal_progress_enabled(self.cfg.log.format) and self._sync is None, self.log)
 
     def _may_step_alone(self) -> bool:
         if protocol.may_step_alone(self.me(), self._visible(), swarm_finished=self.memory.swarm_finished):
@@ -1112,7 +1214,7 @@ class Trainer:
         val_loss = None
         if evaluated_by == self.peer_id:
             with stats.timing("eval"):
-                val_loss = evaluate(self.model, self.corpus, self.cfg, self.device)["val_loss"]
+                val_loss = self._evaluate()
             self.val_losses.append((self.round, val_loss))
         telemetry.observe_outer_step(
             report,
@@ -1147,6 +1249,18 @@ class Trainer:
             sync_s=round(stats.sync_s, 3),
             eval_s=round(stats.eval_s, 3),
         )
+
+    def _evaluate(self) -> float:
+        """The validation loss of the master params: the model's, or, while it trains on (overlap), a copy's."""
+        model: torch.nn.Module = self.model
+        if self.overlapping:
+            assert self._eval_model is not None, "setup() makes it"
+            params = self.diloco.snapshot().params
+            with torch.no_grad():
+                for p, m in zip((p for p in self._eval_model.parameters() if p.requires_grad), params):
+                    p.copy_(m.to(p.device, p.dtype))
+            model = self._eval_model
+        return evaluate(model, self.corpus, self.cfg, self.device)["val_loss"]
 
     def maybe_checkpoint(self) -> None:
         every = self.cfg.checkpoint.every_rounds

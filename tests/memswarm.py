@@ -223,8 +223,12 @@ class MemoryBoard:
         peer.status.update(changes)
         peer.swarm.publish(peer)
         state, round_ = peer.status["state"], peer.status["round"]
-        starts_inner = changes.get("state") == PeerState.TRAINING and changes.get("samples_round") == 0
-        if starts_inner and "round" not in changes:  # the inner phase's announcement, not the outer step's
+        # The inner phase's announcement (not the outer step's, which names the round; with outer.overlap,
+        # while the previous round is averaged, it names no state).
+        starts_inner = changes.get("state", PeerState.TRAINING) == PeerState.TRAINING
+        if starts_inner and changes.get("samples_round") == 0 and "round" not in changes:
+            if state == PeerState.AVERAGING:  # overlap: it trains the round after its record's
+                round_ += 1
             peer.hit(Point.INNER, round_)
         elif state == PeerState.DONE:
             peer.records_after_done = 0

@@ -218,3 +218,58 @@ def test_replicas_do_what_their_slowest_benchmark_fits_in_a_round_by_time():
     assert replica_steps(by_time, [1e9, 1e9]) == 1000, "at most H"
     assert replica_steps(by_time, [320.0, 0.0]) == 1, "no benchmark published: the slowest there is"
     assert replica_steps(InnerConfig(num_inner_steps=15), [1.0, 1e9]) == 15, "rounds by steps: H"
+
+
+def test_a_detached_sync_carries_the_next_rounds_progress_over_onto_the_new_params():
+    """outer.overlap: the round's pseudo-gradient is frozen, the model trains on, the step lands later."""
+    model = scalar_model(1.0)
+    d = DiLoCo(model, lr=1.0, momentum=0.0, nesterov=False)
+    with torch.no_grad():
+        model.w.fill_(0.8)  # round 0's inner phase: delta 0.2
+    d.detach()
+    with torch.no_grad():
+        model.w.sub_(0.05)  # round 1 trains on from 0.8 while round 0 is averaged
+    report = d.sync(FakeAverager(others=[([torch.tensor([0.4])], 1.0)]), weight=1.0, round=0)
+    assert report.applied and d.round == 1
+    assert model.w.item() == pytest.approx(0.75)  # the sync never touched the model
+    assert d.master[0].item() == pytest.approx(0.7)  # 1.0 - mean(0.2, 0.4)
+    assert d.land() is True
+    assert model.w.item() == pytest.approx(0.65)  # the new params, minus round 1's progress so far
+    assert not d.detached and d.pseudo_gradient()[0].item() == pytest.approx(0.05)
+
+
+@pytest.mark.parametrize("how", ["failed", "non_finite", "loaded"])
+def test_a_detached_sync_that_applies_nothing_drops_the_progress_made_since(how):
+    model = scalar_model(1.0)
+    d = DiLoCo(model, lr=1.0, momentum=0.0, nesterov=False)
+    with torch.no_grad():
+        model.w.fill_(float("nan") if how == "non_finite" else 0.8)
+    d.detach()
+    with torch.no_grad():
+        model.w.fill_(0.5)
+    if how == "loaded":  # the swarm moved on: its state replaces ours, our work is stale
+        d.load_state_tensors([torch.tensor([0.3]), torch.tensor([0.0])], round=5)
+    else:
+        report = d.sync(FakeAverager(fail="allreduce"), weight=1.0, round=0, fallback=lambda: False)
+        assert not report.applied
+    assert model.w.item() == 0.5  # untouched until it lands
+    assert d.land() is False
+    assert model.w.item() == pytest.approx(0.3 if how == "loaded" else 1.0)  # back to the master params
+
+
+def test_a_detached_rebase_keeps_the_frozen_pseudo_gradient():
+    """The barrier found the swarm's params differ from ours: adopt them, keep our (frozen) round's work."""
+    model = scalar_model(1.0)
+    d = DiLoCo(model, lr=1.0, momentum=0.0, nesterov=False)
+    with torch.no_grad():
+        model.w.fill_(0.8)
+    d.detach()
+    with torch.no_grad():
+        model.w.sub_(0.1)
+    frozen = d.pseudo_gradient()
+    d.load_state_tensors([torch.tensor([2.0]), torch.tensor([0.0])], round=0)
+    d.rebase(frozen)
+    d.sync(None, weight=1.0, round=0)  # alone: steps by our own 0.2
+    assert d.master[0].item() == pytest.approx(1.8)
+    assert d.land() is True
+    assert model.w.item() == pytest.approx(1.7)

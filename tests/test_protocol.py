@@ -208,6 +208,18 @@ def test_roster_is_the_sorted_ids_of_the_peers_training_our_round():
     )
 
 
+def test_next_roster_counts_the_peers_in_the_next_round_and_those_averaging_into_it():
+    """outer.overlap: we train round 4 while our round 3 is averaged; so do the others."""
+    others = table(
+        rec("b", 4),  # its round-3 sync has landed: training round 4
+        rec("d", 3, state="averaging"),  # averaging round 3, as we are: will be in round 4
+        rec("c", 3, state="training"),  # still training round 3: not in round 4 yet
+        rec("a", 4, state="loading"),
+        rec("e", 4, state="paused"),
+    )
+    assert protocol.next_roster(me(), others) == (3, 4)  # a, b, d, me
+
+
 @pytest.mark.parametrize(
     "others, expected, waiting",
     [

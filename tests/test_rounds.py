@@ -71,6 +71,18 @@ def test_three_peers_train_every_round_together(tmp_path):
         assert p.trainer.last_group_size == 3
 
 
+def test_overlapped_rounds_train_the_next_round_while_the_last_is_averaged(tmp_path):
+    peers = start(MemorySwarm(), tmp_path, ["a", "b", "c"], outer={"overlap": True})
+    finish(peers)
+    assert_swarm_contract(tmp_path, peers, ["a", "b", "c"])
+    for p in peers.values():
+        assert p.trainer.rounds_applied == [0, 1, 2, 3]
+        assert [r for r, _ in p.trainer.overlapped] == [0, 1, 2, 3]  # every sync ran in the background
+        assert p.trainer.overlapped[-1][1] == 0  # after the last round there is nothing to train
+    # The first peer at a barrier waits there for the others: meanwhile it trains the next round.
+    assert any(steps > 0 for p in peers.values() for _, steps in p.trainer.overlapped[:-1])
+
+
 def test_matchmaking_expects_the_barriers_group_and_one_peer_of_it_evaluates_each_round(tmp_path):
     memswarm = MemorySwarm()
     peers = start(memswarm, tmp_path, ["a", "b", "c"])
@@ -136,12 +148,15 @@ def test_a_late_joiner_loads_the_swarms_state_and_trains_with_it(tmp_path):
     assert peers["c"].trainer.last_group_size == 3
 
 
-def test_a_peer_that_falls_behind_drops_its_stale_work_and_catches_up(tmp_path):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_peer_that_falls_behind_drops_its_stale_work_and_catches_up(tmp_path, overlap):
     injector = Injector()
     injector.stall_at("c", Point.BARRIER, round=1, seconds=2.0)  # its record still says training
     swarm = MemorySwarm(injector)
     # The others wait for it until the barrier's deadline, then move on; it finds the swarm past its round.
+    # With overlap it finds out in the background, while training round 2: that work is dropped too.
     fast = {"averaging": {"barrier_timeout_s": 0.5}, "swarm": {"catch_up_timeout_s": 0.4}}
+    fast["outer"] = {"overlap": overlap}
     peers = start(swarm, tmp_path, ["a", "b", "c"], **fast)
     finish(peers)
     assert_swarm_contract(tmp_path, peers, ["a", "b", "c"])
@@ -166,10 +181,11 @@ def test_a_failed_group_falls_back_alone_then_everyone_rebases_onto_one_params(t
             assert ("catch_up", 2) in p.trainer.loads, (p.name, p.trainer.loads)
 
 
-def test_a_groupmate_that_dies_mid_allreduce_costs_one_contribution(tmp_path):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_groupmate_that_dies_mid_allreduce_costs_one_contribution(tmp_path, overlap):
     injector = Injector()
     injector.fail_at("c", Point.ALLREDUCE, round=1)  # one survivor gets the average, the other does not
-    peers = start(MemorySwarm(injector), tmp_path, ["a", "b", "c"])
+    peers = start(MemorySwarm(injector), tmp_path, ["a", "b", "c"], outer={"overlap": overlap})
     finish(peers)
     assert peers["c"].crashed
     assert_swarm_contract(tmp_path, peers, ["a", "b"])
@@ -180,11 +196,12 @@ def test_a_groupmate_that_dies_mid_allreduce_costs_one_contribution(tmp_path):
     assert ("catch_up", 2) in other.loads if 1 not in other.rounds_applied else ("rebase", 2) in other.loads
 
 
+@pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("point", [Point.INNER, Point.BARRIER])
-def test_a_peer_killed_in_its_round_is_waited_for_until_its_record_expires(tmp_path, point):
+def test_a_peer_killed_in_its_round_is_waited_for_until_its_record_expires(tmp_path, point, overlap):
     injector = Injector()
     injector.fail_at("c", point, round=1)
-    peers = start(MemorySwarm(injector), tmp_path, ["a", "b", "c"])
+    peers = start(MemorySwarm(injector), tmp_path, ["a", "b", "c"], outer={"overlap": overlap})
     finish(peers)
     assert peers["c"].crashed
     assert_swarm_contract(tmp_path, peers, ["a", "b"])
