@@ -17,6 +17,10 @@ Changes to hivemind 1.1.12's averager, each for a reason:
   answer is checked the same way. A groupmate that sends anything else, or stalls for a whole timeout, is
   left out (:class:`LeftOut`): the reducers average without it, and the retry of the round neither joins
   its group nor lets it join ours. Only members of the run may call the averager at all (``_admit``).
+* **Groups the barrier names.** The barrier already knows who is in the round, so the first attempt of a
+  round's all-reduce skips hivemind's search of the DHT for a leader (every member polls the matchmaking key,
+  each poll answered with every member's declaration): every member asks the group's lowest peer id to lead
+  it, and that leader starts once all have joined (:class:`BarrierLeaders`). A retry searches as hivemind does.
 * **Robust reducers.** A part that passes those checks may still be wrong (ten times a pseudo-gradient,
   sign flipped). Reducers combine parts with ``averaging.aggregator`` (CenteredClip by default,
   ``aggregation.py``) instead of hivemind's running weighted sum (:class:`RobustPartReducer`).
@@ -43,12 +47,13 @@ from typing import Any
 import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AllreduceException, AllReduceRunner, AveragingMode
+from hivemind.averaging.matchmaking import PotentialLeaders
 from hivemind.averaging.partition import TensorPartContainer, TensorPartReducer
 from hivemind.compression import CompressionBase
 from hivemind.compression.serialization import combine_from_streaming
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
-from hivemind.utils import MPFuture
+from hivemind.utils import MPFuture, get_dht_time
 from hivemind.utils.asyncio import (
     aiter_with_timeout,
     amap_in_executor,
@@ -64,8 +69,6 @@ from p2ptrain.diloco import AverageResult, AveragingFailed
 from p2ptrain.logs import bind, get_logger, unbind
 from p2ptrain.membership import Throttle
 from p2ptrain.procs import ParentWatchdog, keep_sigint_handler
-from p2ptrain.records import live
-from p2ptrain.swarm import progress_key, records_from_dht_value
 from p2ptrain.verify import Sealed, part_digest, sent_problem, sketch_layout
 
 log = get_logger(__name__)
@@ -441,6 +444,72 @@ def part_problem(part: torch.Tensor | None, shape: torch.Size | None) -> str | N
     return None
 
 
+_FIRST_ASK_AGAIN_S = 0.05
+"""How soon a follower asks its named leader again after a refusal (then twice as late each time)."""
+
+
+class BarrierLeaders(PotentialLeaders):
+    """hivemind's leader search, unless the trainer named the group (:meth:`name`): then no DHT at all.
+
+    Every member of a named group asks the same leader, the group's lowest peer id (asking again, a little
+    later each time, while it is not looking for a group yet); the leader asks nobody and takes join requests
+    until the group is full (``target_group_size`` is its size) or, past ``min_matchmaking_time``, assembles
+    what came. Its expiration is earlier than its followers', as hivemind's leaders' are (it refuses a
+    follower that would expire before it). A named group is for one search, the round's first attempt.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.named: PeerID | None = None
+        """The leader of the next search's group (None: search the DHT as hivemind does)."""
+        self._leader: PeerID | None = None  # of the search under way
+        self._asked = 0
+
+    def name(self, leader: PeerID) -> None:
+        self.named = leader
+
+    @contextlib.asynccontextmanager
+    async def begin_search(self, step, key_manager, declare: bool = True):
+        leader, self.named = self.named, None
+        if leader is None:
+            async with super().begin_search(step, key_manager, declare=declare):
+                yield self
+            return
+        async with self.lock_search:
+            self._leader, self._asked = leader, 0
+            self.running.set()
+            self.search_end_time = step.deadline if step.deadline is not None else float("inf")
+            # The leader expires first: its followers' requests must not expire before it (hivemind's rule).
+            lead = leader == self.peer_id
+            self.declared_group_key = key_manager.current_key
+            self.declared_expiration_time = get_dht_time() + self.min_matchmaking_time * (1 if lead else 2)
+            try:
+                yield self
+            finally:
+                self._leader = None
+                self.running.clear()
+                self.declared_group_key, self.declared_expiration_time = None, float("inf")
+                self.search_end_time = float("inf")
+
+    async def pop_next_leader(self) -> PeerID:
+        if self._leader is None:
+            return await super().pop_next_leader()
+        if self._leader != self.peer_id:
+            # _request_join_potential_leaders asks it; a refusal (it is not looking for a group yet, say) brings
+            # it back here: ask again, a little later each time, until the step's deadline ends the search.
+            if self._asked:
+                await asyncio.sleep(
+                    min(_FIRST_ASK_AGAIN_S * 2 ** (self._asked - 1), self.min_matchmaking_time / 2)
+                )
+            self._asked += 1
+            return self._leader
+        # The leader waits for its followers (they call rpc_join_group); at its expiration, hivemind assembles
+        # what came (or disbands it and asks again: a new expiration).
+        await asyncio.sleep(max(0.0, self.declared_expiration_time - get_dht_time()))
+        self.declared_expiration_time = get_dht_time() + self.min_matchmaking_time
+        raise asyncio.TimeoutError("the named group did not fill up in time")
+
+
 class LeftOut:
     """The groupmates this peer does not average with, and until which round: a pure record of faults.
 
@@ -567,7 +636,7 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
                 asyncio.create_task(self._read_members())
             return
         if time.monotonic() - self._members_read_at > _MEMBERS_MIN_AGE_S:
-            await self._read_members()
+            await self._read_members(unknown=peer)
         if peer in self._members:
             return
         now = time.monotonic()
@@ -586,8 +655,9 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
             "(does it hold the swarm's key, swarm.key_file, and the same run.run_id?)"
         )
 
-    async def _read_members(self) -> None:
-        """Read who has a live record of the run. A failed or empty read keeps what we knew."""
+    async def _read_members(self, unknown: str | None = None) -> None:
+        """Read who has a live record of the run, from the table the DHT child keeps (``board.py``), which reads
+        the DHT first if an ``unknown`` caller is not in it. A failed or empty read keeps what we knew."""
         if self._members_lock is None:  # made in this (the averager's) process and event loop
             self._members_lock = asyncio.Lock()
         async with self._members_lock:  # a caller that comes during a read waits for its result
@@ -595,9 +665,8 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
                 return  # someone read them while we waited
             self._reading_members = True
             try:
-                found = await self.dht.get(progress_key(self._run_id), latest=True, return_future=True)
-                members = set(live(records_from_dht_value(found)))
-            except Exception as e:  # the DHT is busy or restarting: keep what we knew
+                members = await self.dht.board("live_members", peer=unknown, return_future=True)
+            except Exception as e:  # the DHT child is busy or restarting: keep what we knew
                 log.debug("could not read the run's records", error=repr(e))
                 members = set()
             finally:
@@ -660,15 +729,18 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
         self._round = int(group_bits, 2)  # the round this peer averages in (round_group_bits)
         await super()._set_group_bits(group_bits, future)
 
-    def expect_group(self, size: int) -> None:
-        """Assemble the next group as soon as ``size`` peers are in (hivemind's ``target_group_size``, which
-        a leader otherwise only reaches by waiting out ``min_matchmaking_time``)."""
+    def expect_group(self, peers: Sequence[str]) -> None:
+        """The next all-reduce's group is ``peers`` (us included): its first attempt asks their lowest peer id
+        to lead (:class:`BarrierLeaders`), and the group assembles as soon as all are in (hivemind's
+        ``target_group_size``, which a leader otherwise only reaches by waiting out ``min_matchmaking_time``)."""
         future = MPFuture()
-        self._outer_pipe.send(("_expect_group", [size], dict(future=future)))
+        self._outer_pipe.send(("_expect_group", [sorted(peers)], dict(future=future)))
         future.result(timeout=_PIPE_TIMEOUT_S)
 
-    async def _expect_group(self, size: int, future: MPFuture) -> None:
-        self._matchmaking.target_group_size = size
+    async def _expect_group(self, peers: list[str], future: MPFuture) -> None:
+        self._matchmaking.target_group_size = len(peers)
+        self._guard_matchmaking()
+        self._matchmaking.potential_leaders.name(PeerID.from_base58(min(peers)))
         future.set_result(None)
 
     async def _step(self, *, step, future_for_init):
@@ -676,11 +748,15 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
         return await super()._step(step=step, future_for_init=future_for_init)
 
     def _guard_matchmaking(self) -> None:
-        """Never ask a peer we left out to lead our group (hivemind's matchmaking is made inside its run loop,
-        so its join request is wrapped here, once)."""
+        """Never ask a peer we left out to lead our group, and let the barrier name groups (hivemind's
+        matchmaking is made inside its run loop, so it is changed here, once)."""
         matchmaking = self._matchmaking
         if getattr(matchmaking, "_guarded", False):
             return
+        old = matchmaking.potential_leaders
+        matchmaking.potential_leaders = BarrierLeaders(
+            old.peer_id, old.min_matchmaking_time, old.target_group_size
+        )
         ask = matchmaking._request_join_group
 
         async def ask_unless_left_out(leader: PeerID):
@@ -1026,10 +1102,12 @@ class SwarmAverager:
     def ban(self, peers: Sequence[str]) -> None:
         self._averager.leave_out(peers, math.inf)
 
-    def expect_group(self, size: int) -> None:
-        """Matchmaking of the next all-reduce ends once ``size`` peers are in (never more than
-        ``averaging.target_group_size``): the barrier knows who is in the round, so nobody waits out a timer."""
-        self._averager.expect_group(min(size, self.cfg.target_group_size))
+    def expect_group(self, peers: Sequence[str]) -> None:
+        """The next all-reduce's group, as the barrier knows it (us included): its first attempt needs no
+        search of the DHT and ends once they are all in, rather than waiting out a timer. A group larger
+        than ``averaging.target_group_size`` is left to hivemind's search."""
+        if len(peers) <= self.cfg.target_group_size:
+            self._averager.expect_group(peers)
 
     def set_round(self, round: int) -> None:
         """Tell donors-to-be which round our state is (higher rounds are preferred by hivemind's loader)."""

@@ -294,10 +294,12 @@ class SwarmConfig(_Section):
     min_peers_timeout_s: float = Field(default=300.0, gt=0.0)
     """Stop waiting for swarm.min_peers after this long and start with whoever is there."""
     heartbeat_s: float = Field(default=2.0, gt=0.0)
-    """How often a peer refreshes its progress record in the DHT."""
+    """How often a peer publishes its progress record. A change of state, round or params goes out at once,
+    pushed to every peer it knows; samples and throughput ride on the next push, which comes at least every
+    record_ttl_s / 3, when the signed copy in the DHT is refreshed too."""
     record_ttl_s: float = Field(default=20.0, gt=0.0, le=300.0)
-    """A peer whose record is older than this is considered gone. At most 300: no node of any swarm keeps
-    a record longer than 600 s, whatever it asks for."""
+    """A peer not heard from (pushed or read in the DHT) for this long is considered gone. At most 300: no
+    node of any swarm keeps a record longer than 600 s, whatever it asks for."""
     state_download_timeout_s: float = Field(default=60.0, gt=0.0)
     """Give up downloading the swarm's state from one donor after this long and try the next."""
     catch_up_timeout_s: float = Field(default=120.0, gt=0.0)

@@ -71,9 +71,9 @@ class PeerAverager(Protocol):
 
     def set_round(self, round: int) -> None: ...
 
-    def expect_group(self, size: int) -> None:
-        """The next all-reduce's group, as the barrier knows it: matchmaking ends once ``size`` peers (us
-        included) have joined, rather than waiting out ``averaging.matchmaking_time_s``."""
+    def expect_group(self, peers: Sequence[str]) -> None:
+        """The next all-reduce's group, as the barrier knows it (us included): matchmaking ends once they
+        have joined, rather than waiting out ``averaging.matchmaking_time_s``."""
 
     def leave_out(
         self,

@@ -1,10 +1,11 @@
 """The swarm's records board on a hivemind DHT: this peer's signed progress record, and everyone's.
 
-There is no coordinator. Each peer stores a small record (``records.ProgressRecord``) under
-``{run_id}_progress``, one subkey per peer, signed with the peer's RSA key, and refreshes it every
-``swarm.heartbeat_s`` from a background thread. A record older than ``swarm.record_ttl_s`` expires:
-that peer is gone. What a peer decides from the records is in ``protocol.py``; this module only moves
-them.
+There is no coordinator. Each peer publishes a small record (``records.ProgressRecord``): signed with the
+peer's RSA key under ``{run_id}_progress`` in the DHT, one subkey per peer, and pushed straight to every
+peer it knows (``board.py``), at once when its state, round or params change and every
+``swarm.heartbeat_s`` from a background thread. A record older than ``swarm.record_ttl_s`` expires: that
+peer is gone. Reading the records asks the table the DHT child keeps of them, not the network. What a
+peer decides from the records is in ``protocol.py``; this module only moves them.
 
 The subkey is the signer's public key, which is also the peer's libp2p identity: only its owner can
 write it, and a reader keeps a record only if its ``peer_id`` is its signer's. No node stores a record
@@ -21,6 +22,9 @@ makes the child shut itself down (and ``p2pd`` with it) when the main process di
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import dataclasses
 import os
 import tempfile
 import threading
@@ -34,6 +38,7 @@ import hivemind
 from hivemind.dht.routing import DHTID
 from hivemind.dht.schema import BytesWithPublicKey, RSASignatureValidator, SchemaValidator
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
+from hivemind.utils import MPFuture
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.timed_storage import get_dht_time
 
@@ -41,6 +46,7 @@ from hivemind.utils.timed_storage import get_dht_time
 from pydantic.v1 import BaseModel
 
 from p2ptrain.addrs import SwarmError, is_loopback, read_maddrs_file
+from p2ptrain.board import REPLICAS, BoardService, records_from_dht_value
 from p2ptrain.config import ExperimentConfig, SwarmConfig
 from p2ptrain.experiment import EXPERIMENTS_KEY, Experiment, ExperimentRecord, published, sign
 from p2ptrain.experiment import subkey as experiment_subkey
@@ -50,7 +56,6 @@ from p2ptrain.membership import (
     create_identity,
     load_identity,
     peer_id_of,
-    peer_id_of_owner,
     read_swarm_key,
 )
 from p2ptrain.procs import ParentWatchdog
@@ -70,11 +75,35 @@ class _ExperimentsSchema(BaseModel):
 
 
 class WatchedDHT(ParentWatchdog, hivemind.DHT):
-    """A hivemind DHT whose child process (and its p2pd) does not outlive the main process."""
+    """A hivemind DHT whose child process (and its p2pd) does not outlive the main process, and which keeps
+    the run's records board in that child (:meth:`board`)."""
 
     def __init__(self, *args, **kwargs):
         self._watched_parent_pid = os.getpid()
+        self._board: BoardService | None = None  # made in the child, by board("open", ...)
         super().__init__(*args, **kwargs)
+
+    def board(self, op: str, *, return_future: bool = False, **kwargs: Any) -> Any:
+        """Call :class:`~p2ptrain.board.BoardService`'s ``op`` in the DHT child (``open`` makes it), from the
+        main process or the averager's; as hivemind's own calls, through the DHT's pipe."""
+        future: MPFuture = MPFuture()
+        self._outer_pipe.send(("_board_op", [op, kwargs], dict(future=future)))
+        return future if return_future else future.result(timeout=BOARD_TIMEOUT_S)
+
+    async def _board_op(self, op: str, kwargs: dict, future: MPFuture) -> None:
+        try:
+            if op == "open":
+                self._board = BoardService(self._node, **kwargs)
+                await self._board.open()
+                future.set_result(None)
+                return
+            if self._board is None:
+                raise RuntimeError("the records board is not open")
+            result = getattr(self._board, op)
+            result = result(**kwargs) if callable(result) else result  # an attribute: its value
+            future.set_result(await result if asyncio.iscoroutine(result) else result)
+        except BaseException as e:  # hivemind's convention: the caller gets the exception
+            future.set_exception(e)
 
     def run(self) -> None:
         # Sending the shutdown request through the same pipe the parent would use runs hivemind's own
@@ -114,6 +143,7 @@ def create_dht(
         use_auto_relay=cfg.use_auto_relay,
         record_validators=list(record_validators),
         authorizer=authorizer,
+        **DHT_TUNING,
         # p2pd exits by itself once its client (the DHT child) has been gone this long.
         idle_timeout=30,
         start=False,
@@ -197,7 +227,9 @@ class LocalStatus:
 
 
 _AT_ONCE = {"state", "round", "params_hash", "seal", "nonce", "sketch", "verdict", "ref_sketch"}
-"""Changes published at once, not with the next beat: replicas and the barrier wait on them."""
+"""Changes published at once, not with the next beat, and pushed to every peer: replicas and the barrier wait
+on them. The others (samples, throughput, counters) reach the DHT with the next beat and the peers with the
+next push."""
 
 
 class Swarm:
@@ -228,6 +260,21 @@ class Swarm:
             stop_dht(self.dht)
             raise SwarmError("the DHT's peer id is not the one of its identity file")
         self.status = LocalStatus()
+        try:
+            self.dht.board(
+                "open",
+                key=progress_key(run_id),
+                subkey=self._public_key,
+                ttl_s=self.record_ttl_s,
+                heartbeat_s=self.heartbeat_s,
+            )
+        except Exception as e:
+            stop_dht(self.dht)
+            raise SwarmError(f"could not start the records board: {e}") from None
+        self._version = -1
+        self._records: dict[str, ProgressRecord] = {}
+        self._urgent = True
+        """A change the peers must hear of at once is not published yet (the first record is one)."""
         self.split_watch = SplitWatch(cfg.split_warning_s)
         self._subscribers: list[RecordsObserver] = []
         self._watch_lock = threading.Lock()
@@ -258,8 +305,7 @@ class Swarm:
                 self.publish()
                 if time.monotonic() - self._experiment_stored > self.record_ttl_s:
                     self._store_experiment()
-                # Keeps our view fresh (and the split watch running) between the trainer's reads; one that
-                # read the records within half a beat already did, and a read fetches every peer's record.
+                # Keeps our view fresh (and the split watch running) between the trainer's reads.
                 if time.monotonic() - self._last_read > self.heartbeat_s / 2:
                     self.records()
             except Exception as e:  # a failed store is retried next beat; the record just ages meanwhile
@@ -276,30 +322,33 @@ class Swarm:
                 raise AttributeError(f"a progress record has no field {key!r}")
             setattr(self.status, key, value)
         if state_changed or (changes.keys() & _AT_ONCE) - {"state"}:
+            self._urgent = True
             if self._heartbeat is not None:
                 self._wake.set()
             else:
                 self.publish()
 
     def publish(self) -> None:
+        """Publish our record: pushed to every peer we know if it changed what they wait on (or they have
+        not heard from us for a while), stored in the DHT when that is due (``board.BoardService.publish``)."""
         fields = asdict(self.status)
         for name in ("samples_per_s", "benchmark_samples_per_s", "benchmark_flops", "compute_s"):
             fields[name] = float(fields[name])
         record = ProgressRecord(
             peer_id=self.peer_id, device=self.device, time=time.time(), serves=self.serves, **fields
         )
+        leaving = record.state == PeerState.LEFT
+        urgent, self._urgent = self._urgent or leaving, False
         with self._lock:
-            self.dht.store(
-                progress_key(self.run_id),
-                subkey=self._public_key,
-                value=record.wire(),
-                expiration_time=get_dht_time() + self.record_ttl_s,
+            future = self.dht.board(
+                "publish", wire=record.wire(), urgent=urgent, wait=leaving, return_future=True
             )
+        future.result(timeout=BOARD_TIMEOUT_S)
 
     def experiments(self) -> list[Experiment]:
         """Every experiment published in the swarm whose owner's signature holds (``experiment.published``)."""
         with self._lock:
-            return published(self.dht.get(EXPERIMENTS_KEY, latest=True))
+            return published(read_latest(self.dht, EXPERIMENTS_KEY))
 
     def sign_experiment(self, cfg: ExperimentConfig) -> ExperimentRecord:
         """This config's training sections, signed with our identity: we start the run."""
@@ -315,20 +364,27 @@ class Swarm:
         if self._experiment is None:
             return
         with self._lock:
-            self.dht.store(
-                EXPERIMENTS_KEY,
+            future = self.dht.board(
+                "store",
+                key=EXPERIMENTS_KEY,
                 subkey=experiment_subkey(self._experiment.run_id, self._public_key),
                 value=self._experiment.dict(),
-                expiration_time=get_dht_time() + min(3 * self.record_ttl_s, MAX_RECORD_TTL_S),
+                expiration=get_dht_time() + min(3 * self.record_ttl_s, MAX_RECORD_TTL_S),
+                return_future=True,
             )
+        future.result(timeout=BOARD_TIMEOUT_S)
         self._experiment_stored = time.monotonic()
 
     def records(self) -> dict[str, ProgressRecord]:
-        """Every unexpired record by peer id, ``left`` ones and our own included."""
+        """Every unexpired record by peer id, ``left`` ones and our own included: what the DHT child's board
+        holds (no network; the records are sent over only when they changed since our last reading)."""
         with self._lock:
-            found = self.dht.get(progress_key(self.run_id), latest=True)
+            future = self.dht.board("records", since=self._version, return_future=True)
+        version, found = future.result(timeout=BOARD_TIMEOUT_S)
+        if found is not None:
+            self._version, self._records = version, found
         self._last_read = time.monotonic()
-        records = records_from_dht_value(found)
+        records = dict(self._records)
         for subscriber in self._subscribers:
             subscriber(records)
         alive = live(records)
@@ -356,6 +412,8 @@ class Swarm:
                 self.publish()
             except Exception as e:  # best effort: the record expires after record_ttl_s anyway
                 log.debug("goodbye record not stored", error=repr(e))
+        with contextlib.suppress(Exception):  # what the board cost, for whoever reads the log to the end
+            log.info("records board", **dataclasses.asdict(self.dht.board("traffic")))
         with self._lock:
             stop_dht(self.dht)
 
@@ -375,6 +433,33 @@ def _identity(path: Path | None, tmp: Path) -> tuple[Path, RSAPrivateKey, bool]:
         return target, create_identity(target), True
     except OSError as e:
         raise SwarmError(f"swarm.identity_path {target}: cannot create it ({e.strerror or e})") from None
+
+
+BOARD_TIMEOUT_S = 30.0
+"""How long a call of the DHT child's board may take (it answers from memory: only a stuck child is slower)."""
+
+READ_FANOUT = 2
+"""How many of the nodes nearest to a key a reader of the DHT asks (besides its own storage): every peer
+stores its record on the same :data:`~p2ptrain.board.REPLICAS` nodes nearest to the key, each of which holds
+every record, so two answers are enough. hivemind's default asks up to 20 nodes, each answering with every
+peer's record."""
+
+
+DHT_TUNING: dict[str, Any] = dict(
+    num_replicas=REPLICAS,
+    # hivemind pushes every value it finds to one more node and re-reads cached keys before they expire: with
+    # a key whose value holds every peer's record, both cost O(N) bytes a read and help nobody (we always read
+    # the latest value).
+    cache_nearest=0,
+    cache_refresh_before_expiry=0,
+)
+"""Our DHT node's settings where hivemind's defaults do not fit a key with every peer's record in it."""
+
+
+def read_latest(dht: hivemind.DHT, key: str) -> Any:
+    """The latest value of a dictionary key (every subkey's newest item), merged from our own storage and the
+    :data:`READ_FANOUT` nearest nodes that hold it."""
+    return dht.get(key, latest=True, beam_size=READ_FANOUT)
 
 
 def progress_key(run_id: str) -> str:
@@ -422,25 +507,9 @@ def progress_validators(run_id: str | None, *, signer: RSAPrivateKey | None = No
 
 def published_experiments(dht: hivemind.DHT) -> list[Experiment]:
     """Every experiment published in the swarm whose owner's signature holds."""
-    return published(dht.get(EXPERIMENTS_KEY, latest=True))
+    return published(read_latest(dht, EXPERIMENTS_KEY))
 
 
 def live_records(dht: hivemind.DHT, run_id: str) -> dict[str, ProgressRecord]:
     """The unexpired records of ``run_id`` by peer id, without peers that said they left."""
-    return live(records_from_dht_value(dht.get(progress_key(run_id), latest=True)))
-
-
-def records_from_dht_value(found: Any) -> dict[str, ProgressRecord]:
-    """Parse the value of ``{run_id}_progress`` (a dict of subkey -> value) into records by peer id."""
-    records: dict[str, ProgressRecord] = {}
-    if found is None or not isinstance(found.value, dict):
-        return records
-    for subkey, item in found.value.items():
-        try:
-            record = ProgressRecord.parse_obj(item.value)
-        except Exception:  # the schema validator already rejects bad records; skip any leftovers
-            continue
-        # A record speaks for its signer only: one per identity, and nobody can publish in another's name.
-        if record.peer_id == peer_id_of_owner(subkey):
-            records[record.peer_id] = record
-    return records
+    return live(records_from_dht_value(read_latest(dht, progress_key(run_id))))

@@ -88,9 +88,10 @@ class RunResult:
         return self.outcome in (Outcome.FINAL, Outcome.INTERRUPTED)
 
 
-BARRIER_POLL_S = 0.25
+BARRIER_POLL_S = 0.05
 """How often the barrier reads the records (or every half heartbeat, if that is shorter): the round's peers
-leave it within this of the last one's arrival; a read fetches every record, so not much more often."""
+leave it within this of the last one's arrival (plus the push that says so). A read asks the DHT child's
+table of records (``board.py``), not the network."""
 
 CLAIM_POLL_START_S = 0.05
 """The first wait between reads of a verifiable round's claims (doubling up to half a heartbeat)."""
@@ -1133,7 +1134,8 @@ class Trainer:
         alone = len(group) + 1 < max(self.cfg.averaging.min_group_size, 2)
         round_ = self.round
         if not alone:
-            self.averager.expect_group(len(group) + 1)  # the barrier's group: nobody waits out a timer
+            # The barrier's group: nobody searches for it, nobody waits out a timer.
+            self.averager.expect_group([self.peer_id, *(r.peer_id for r in group)])
         with self._waiting() as waiting:
             waiting.update(f"round {round_}: averaging", peers=len(group) + 1)
             report = self.diloco.sync(
@@ -1572,8 +1574,8 @@ class Trainer:
 
     @property
     def _poll_s(self) -> float:
-        # Reading the swarm's records fetches every peer's signed record from several DHT nodes (~1 KB
-        # each): poll no faster than records can change.
+        # Records that change at once (state, round, params, claims) arrive within a push; the others with
+        # the next heartbeat: waits that are not a barrier poll no faster than that.
         return self.cfg.swarm.heartbeat_s / 2
 
     @property

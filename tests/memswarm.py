@@ -305,8 +305,8 @@ class MemoryAverager:
     def set_round(self, round: int) -> None:
         pass
 
-    def expect_group(self, size: int) -> None:
-        self._expected = size
+    def expect_group(self, peers) -> None:
+        self._expected = len(peers)
 
     def leave_out(self, peers, round: int, weights=None, sealed=None) -> None:
         with self._peer.swarm._lock:

@@ -13,7 +13,7 @@ from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
 
 from bench.hostile import Staller
-from p2ptrain.averaging import ExactAllReduceRunner, ExactAverager, SwarmAverager
+from p2ptrain.averaging import ExactAllReduceRunner, ExactAverager, SwarmAverager, round_group_bits
 from p2ptrain.compression import make_codec
 from p2ptrain.config import AveragingConfig, SwarmConfig
 from p2ptrain.diloco import AveragingFailed, Snapshot
@@ -152,6 +152,28 @@ def test_three_peers_get_bit_identical_weighted_average(swarm_of):
         # ...and exactly the same bytes on every peer.
         assert torch.equal(results[0].tensors[k], results[1].tensors[k])
         assert torch.equal(results[0].tensors[k], results[2].tensors[k])
+
+
+def test_a_group_the_barrier_names_is_formed_without_searching_the_dht(swarm_of):
+    """The barrier knows the group: its members ask the lowest peer id to lead, and none of them declares
+    itself under the round's matchmaking key (every hivemind search polls that key, each poll answered with
+    every member's declaration). A round nobody named is searched for as hivemind does."""
+    averagers = swarm_of(3, target_group_size=64, matchmaking_time_s=2.0)
+    group = [a.peer_id for a in averagers]
+    x = [torch.ones(s) for s in SHAPES]
+
+    def declared(round_: int):
+        found = averagers[0]._averager.dht.get(f"t_diloco.0b{round_group_bits(round_)}", latest=True)
+        return {} if found is None else found.value
+
+    for a in averagers:
+        a.expect_group(group)
+    named = run_parallel([lambda a=a: a.average(x, weight=1, round=6) for a in averagers])
+    assert all(not isinstance(r, Exception) and r.group_size == 3 for r in named), named
+    assert declared(6) == {}
+    searched = run_parallel([lambda a=a: a.average(x, weight=1, round=7) for a in averagers])
+    assert all(not isinstance(r, Exception) and r.group_size == 3 for r in searched), searched
+    assert len(declared(7)) == 3
 
 
 def test_peers_of_different_rounds_never_average(swarm_of):

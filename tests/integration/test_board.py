@@ -1,0 +1,140 @@
+"""The records board on real DHTs (hivemind's, on 127.0.0.1): a change reaches the other peers as a push,
+reading the records costs no network, a newcomer is found, a peer that dies silently is gone after its time
+to live, and a stranger's push is refused."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from hivemind.p2p import P2P, PeerID
+from hivemind.utils import MSGPackSerializer
+
+from p2ptrain.board import PUSH_PROTOCOL, compact
+from p2ptrain.config import SwarmConfig
+from p2ptrain.membership import generate_swarm_key
+from p2ptrain.records import PeerState, ProgressRecord
+from p2ptrain.swarm import Swarm, stop_dht
+
+pytestmark = pytest.mark.integration
+
+LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
+# Short lives, so that a silent death shows within seconds; the split warning must outlast them.
+TIMING = dict(heartbeat_s=0.5, record_ttl_s=3.0, split_warning_s=30.0)
+
+
+def wait_until(condition, what: str, timeout_s: float = 60.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if value := condition():
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.fixture
+def swarm(tmp_path):
+    key = tmp_path / "swarm.key"
+    generate_swarm_key(key)
+    made: list[Swarm] = []
+
+    def join(first: Swarm | None = None) -> Swarm:
+        peers = first.visible_maddrs() if first is not None else []
+        board = Swarm(
+            "t", SwarmConfig(host_maddrs=LOOPBACK, initial_peers=peers, key_file=key, **TIMING), device="cpu"
+        )
+        made.append(board)
+        board.start()
+        return board
+
+    yield join
+    for board in made:
+        board.shutdown()
+
+
+def sees(board: Swarm, peers: list[Swarm]) -> bool:
+    return {p.peer_id for p in peers} <= set(board.records())
+
+
+def test_changes_arrive_as_pushes_and_reading_them_costs_no_network(swarm):
+    first = swarm()
+    others = [swarm(first), swarm(first)]
+    everyone = [first, *others]
+    wait_until(lambda: all(sees(b, everyone) for b in everyone), "every peer to see every peer")
+
+    reads_before = first.dht.board("traffic").dht_reads
+    taken_before = others[0].dht.board("traffic").pushes_taken
+    first.update(state=PeerState.AVERAGING, round=7, params_hash="cd" * 8)
+    polls = 0
+
+    def arrived() -> bool:
+        nonlocal polls
+        polls += 1
+        return all(
+            (r := b.records().get(first.peer_id)) is not None
+            and r.round == 7
+            and r.state == PeerState.AVERAGING
+            for b in others
+        )
+
+    wait_until(arrived, "the change to reach the others")
+    for _ in range(200):  # a barrier's polling: the DHT child's table answers, nobody else is asked
+        first.records()
+    assert others[0].dht.board("traffic").pushes_taken > taken_before
+    # The DHT may be read a few times meanwhile (a heartbeat's check of views that differ a moment), never
+    # once per reading of the records.
+    assert first.dht.board("traffic").dht_reads - reads_before <= 3 < polls + 200
+
+
+def test_a_newcomer_is_found_and_a_peer_that_dies_silently_is_gone_after_its_time_to_live(swarm):
+    first = swarm()
+    second = swarm(first)
+    wait_until(lambda: sees(first, [second]) and sees(second, [first]), "the first two to meet")
+    newcomer = swarm(second)
+    wait_until(
+        lambda: all(sees(b, [first, second, newcomer]) for b in (first, second, newcomer)), "a newcomer"
+    )
+    assert newcomer.records()[first.peer_id].state == PeerState.LOADING
+
+    # SIGKILL-like: its DHT child goes, no goodbye is said; the others drop it once its record expires.
+    second._stop.set()
+    stop_dht(second.dht)
+    wait_until(lambda: second.peer_id not in first.records(), "the dead peer to expire", timeout_s=30)
+    assert second.peer_id not in newcomer.records()
+    assert first.peer_id in newcomer.records()  # the living keep each other alive all the while
+
+
+def test_a_push_from_a_node_with_no_record_in_the_run_is_refused(swarm):
+    member = swarm()
+    record = ProgressRecord(
+        peer_id="placeholder",
+        round=99,
+        state=PeerState.AVERAGING,
+        params_hash="ef" * 8,
+        samples_round=0,
+        samples_total=0,
+        samples_per_s=0.0,
+        last_group_size=0,
+        device="cpu",
+        time=time.time(),
+    )
+
+    async def push_as_stranger() -> tuple[str, bytes]:
+        p2p = await P2P.create(initial_peers=member.visible_maddrs(), host_maddrs=LOOPBACK)
+        try:
+            me = p2p.peer_id.to_base58()
+            message = MSGPackSerializer.dumps(
+                {"record": compact(record.copy(update={"peer_id": me}).wire()), "ttl": 3.0}
+            )
+            answer = await p2p._client.call_unary_handler(
+                PeerID.from_base58(member.peer_id), PUSH_PROTOCOL, message
+            )
+            return me, answer
+        finally:
+            await p2p.shutdown()
+
+    stranger, answer = asyncio.run(push_as_stranger())
+    assert answer == b""  # and no record of ours in return
+    assert stranger not in member.records()
+    assert member.dht.board("traffic").pushes_refused == 1
