@@ -96,6 +96,12 @@ WAIT_SECONDS = Counter(
     registry=PEER,
 )
 WAIT_PHASES = ("barrier", "verify", "sync", "eval")
+STALE_STEPS = Gauge(
+    "p2ptrain_stale_inner_steps",
+    "With outer.overlap: the inner steps of this round taken from the local params before the last round's "
+    "average landed (carried over onto the new params).",
+    registry=PEER,
+)
 DEVICE_SAMPLES_PER_SECOND = Gauge(
     "p2ptrain_device_benchmark_samples_per_second",
     "This peer's device speed at the run's model, measured at start (device.benchmark_steps).",
@@ -258,6 +264,11 @@ def set_peer_info(**fields: str) -> None:
             "hivemind": hivemind.__version__,
         }
     )
+
+
+def observe_stale_steps(steps: int) -> None:
+    """An overlapped sync landed after ``steps`` inner steps of the next round."""
+    STALE_STEPS.set(steps)
 
 
 def observe_benchmark(samples_per_s: float, flops: float) -> None:

@@ -131,21 +131,46 @@ class RoundStats:
 
 
 class _Background:
-    """A round's sync in a daemon thread (``outer.overlap``): :meth:`result` hands on what it raised."""
+    """A round's sync in a daemon thread (``outer.overlap``): first the barrier, all-reduce and outer step
+    (:meth:`synced` once they are over: the result can land), then the round's evaluation and log line, which
+    need not hold up the landing. :meth:`result` and :meth:`finish` hand on what each part raised."""
 
-    def __init__(self, fn: Callable[[RoundStats], None], stats: RoundStats, *, round: int, steps: int):
+    def __init__(
+        self,
+        sync: Callable[[RoundStats], OuterStepReport | None],
+        after: Callable[[OuterStepReport, RoundStats], None],
+        stats: RoundStats,
+        *,
+        round: int,
+        steps: int,
+    ):
         self.round = round
         self.steps = steps
         """The inner steps the peer had taken when the sync began."""
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(fn, stats), name=f"sync-{round}", daemon=True)
+        self._after_error: BaseException | None = None
+        self._synced = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, args=(sync, after, stats), name=f"sync-{round}", daemon=True
+        )
         self._thread.start()
 
-    def _run(self, fn: Callable[[RoundStats], None], stats: RoundStats) -> None:
+    def _run(self, sync, after, stats: RoundStats) -> None:
         try:
-            fn(stats)
+            report = sync(stats)
         except BaseException as e:  # an injected crash too: the training thread re-raises it
-            self._error = e
+            self._error, report = e, None
+        finally:
+            self._synced.set()
+        if report is None:
+            return
+        try:
+            after(report, stats)
+        except BaseException as e:
+            self._after_error = e
+
+    def synced(self) -> bool:
+        return self._synced.is_set()
 
     def done(self) -> bool:
         return not self._thread.is_alive()
@@ -153,10 +178,21 @@ class _Background:
     def join(self, timeout: float | None = None) -> None:
         self._thread.join(timeout)
 
+    def wait_synced(self) -> None:
+        """Wait for the outer step (not the evaluation)."""
+        self._synced.wait()
+
     def result(self) -> None:
-        self._thread.join()
+        """Raise what the sync raised (after :meth:`wait_synced`)."""
+        self._synced.wait()
         if self._error is not None:
             raise self._error
+
+    def finish(self) -> None:
+        """Wait for the evaluation and log line too; raise what they raised."""
+        self._thread.join()
+        if self._after_error is not None:
+            raise self._after_error
 
 
 class Trainer:
@@ -196,6 +232,8 @@ class Trainer:
         """Each round's sync runs in the background while the next round trains (``outer.overlap``)."""
         self._sync: _Background | None = None
         """The round whose sync is in flight (overlap), until it lands."""
+        self._evaluating: _Background | None = None
+        """A landed sync whose evaluation and log line may still be running (overlap)."""
         self.overlapped: list[tuple[int, int]] = []
         """Every overlapped sync as it landed: (its round, the inner steps of the next round taken meanwhile)."""
         self._eval_model: torch.nn.Module | None = None
@@ -276,8 +314,9 @@ class Trainer:
                 if self.overlapping:  # the round's sync runs while the next round trains
                     self.board.update(state=PeerState.AVERAGING)
                     self.diloco.detach()
+                    self._finish_evaluation()
                     self._sync = _Background(
-                        self.sync_round, stats, round=self.round, steps=self.inner_steps_total
+                        self.sync_round, self.log_round, stats, round=self.round, steps=self.inner_steps_total
                     )
                     continue
                 if self.verifying:
@@ -295,15 +334,19 @@ class Trainer:
                 self.log_round(report, stats)
                 self.end_round()
             self.land()
+            self._finish_evaluation()
             if stranded is not None:
                 return self.end_stranded(stranded)
             if self.round >= self.cfg.outer.num_rounds:
                 return self.finish()
             return RunResult(Outcome.INTERRUPTED, self.save(Outcome.INTERRUPTED), self.stop_reason)
         finally:
-            if self._sync is not None and not self._sync.done():  # we are failing: end its waits, then stop
-                self.stop.set()
-                self._sync.join(timeout=self.cfg.swarm.heartbeat_s * 4)
+            for background in (self._sync, self._evaluating):
+                if (
+                    background is not None and not background.done()
+                ):  # we are failing: end its waits, then stop
+                    self.stop.set()
+                    background.join(timeout=self.cfg.swarm.heartbeat_s * 4)
             self.shutdown()
 
     @property
@@ -311,29 +354,41 @@ class Trainer:
         """The round the model trains: ours, or, while ours is averaged in the background, the next one."""
         return self._sync.round + 1 if self._sync is not None else self.round
 
-    def sync_round(self, stats: RoundStats) -> None:
-        """A round's barrier, all-reduce, outer step and evaluation, in the background (``outer.overlap``):
-        they work on the round's frozen pseudo-gradient and the master params, while the model trains on."""
+    def sync_round(self, stats: RoundStats) -> OuterStepReport | None:
+        """A round's barrier, all-reduce and outer step, in the background (``outer.overlap``): they work on the
+        round's frozen pseudo-gradient and the master params, while the model trains on. Its evaluation and log
+        line follow in the same thread (:class:`_Background`), after the result could land."""
         with stats.timing("barrier"):
             group = self.barrier()
         if group is None:  # the swarm moved on (our work is stale: dropped when this lands), or a stop
-            return
-        report = self.outer_sync(group, stats)
-        self.log_round(report, stats)
+            return None
+        return self.outer_sync(group, stats)
 
     def land(self) -> bool:
-        """Wait for the round's sync in flight, if any, and take its result into the model, in this thread:
-        the inner progress made since carries over onto the new params, or is dropped if the sync failed or
-        went stale (returns False; the loop then catches up). Then what ends a round: checkpoint, memory."""
+        """Wait for the outer step of the round's sync in flight, if any, and take its result into the model,
+        in this thread: the inner progress made since carries over onto the new params, or is dropped if the
+        sync failed or went stale (returns False; the loop then catches up). Then what ends a round:
+        checkpoint, memory. The round's evaluation may still be running (:meth:`_finish_evaluation`)."""
         if self._sync is None:
             return True
         sync, self._sync = self._sync, None
-        sync.join()
+        sync.wait_synced()
         kept = self.diloco.land()
-        self.overlapped.append((sync.round, self.inner_steps_total - sync.steps))
+        stale = self.inner_steps_total - sync.steps
+        self.overlapped.append((sync.round, stale))
         sync.result()  # its exception, if it failed (a crash, a bug): ours
+        telemetry.observe_stale_steps(stale)
+        self.log.info("sync landed", round=sync.round, stale_steps=stale, kept=kept)
+        self._finish_evaluation()  # the one before (done by now: a sync starts after it)
+        self._evaluating = sync
         self.end_round()
         return kept
+
+    def _finish_evaluation(self) -> None:
+        """Wait for a landed round's evaluation and log line (overlap): one at a time, in order."""
+        if self._evaluating is not None:
+            evaluating, self._evaluating = self._evaluating, None
+            evaluating.finish()
 
     def end_round(self) -> None:
         self.maybe_checkpoint()
@@ -650,7 +705,7 @@ class Trainer:
             for _ in range(steps):
                 if self.stop.is_set() or (stats.steps and time.monotonic() + step_s / 2 >= deadline):
                     break
-                if self._sync is not None and self._sync.done() and not self.land():
+                if self._sync is not None and self._sync.synced() and not self.land():
                     stats.dropped = True  # that sync failed or went stale: these steps are dropped
                     break
                 if self.schedule is not None and self.schedule.check() is not None:
