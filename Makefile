@@ -40,6 +40,7 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.quality
+	$(BIN)/python -m bench.quality --set outer.num_rounds=48 --out bench/results/quality-long.json --block quality-long
 	$(BIN)/python -m bench.compression
 	$(BIN)/python -m bench.churn
 	$(BIN)/python -m bench.attacks
@@ -49,6 +50,7 @@ bench: $(STAMP)
 	$(BIN)/python -m bench.verification
 	$(BIN)/python -m bench.heterogeneous
 	$(BIN)/python -m bench.utilization
+	$(BIN)/python -m bench.link
 	$(BIN)/python -m bench.overlap
 
 clean:

@@ -114,6 +114,7 @@ def main() -> None:
     ap.add_argument("--config", type=Path, default=None)
     ap.add_argument("--set", action="append", default=[], dest="sets")
     ap.add_argument("--out", type=Path, default=RESULTS / "quality.json")
+    ap.add_argument("--block", default="quality", help="the table in docs/benchmarks.md to write")
     args = ap.parse_args()
     cfg = load_config(args.config, parse_set(args.sets))
     cores = os.cpu_count() or 1
@@ -159,12 +160,12 @@ def main() -> None:
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
-    write_table(result)
+    write_table(result, args.block)
     print(json.dumps(result["ratios"], indent=2))
     print(f"wrote {args.out} and the quality table in {DOC.relative_to(ROOT)}")
 
 
-def write_table(r: dict) -> None:
+def write_table(r: dict, block: str = "quality") -> None:
     e, mb, ratios = r["experiment"], 1e6, r["ratios"]
     rows = [
         "| run | val loss | bytes sent per peer | wall |",
@@ -187,7 +188,7 @@ def write_table(r: dict) -> None:
         f"peer, compression `{e['compression']}`, config `{e['config']}` {' '.join(e['overrides'])}; "
         f"{r['machine']['cpus']} CPUs, torch {r['machine']['torch']}, {r['date']}.",
     ]
-    replace_block("quality", rows)
+    replace_block(block, rows)
 
 
 if __name__ == "__main__":

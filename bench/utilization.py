@@ -13,8 +13,12 @@ and the final validation loss.
 
     python -m bench.utilization [--rounds 16] [--peers 3]
 
-Then the default setting again with 2, 3, 4 and 6 peers: the non-payload traffic per peer per round (DHT
-records, matchmaking) against the swarm's size.
+Then the default experiment again with 2, 3, 4 and 6 peers, in rounds by time (``inner.round_seconds``, so
+that a round lasts as long at every size: on one machine, rounds by steps slow down as peers share its CPUs):
+the non-payload traffic per peer per round (records, matchmaking, DHT) against the swarm's size.
+
+Traffic is counted in the steady state: from the middle of a peer's second inner phase to the middle of its
+last, when no all-reduce is in flight (a sample taken while one is would count part of its payload).
 
 Writes bench/results/utilization.json and the utilization and traffic tables in docs/benchmarks.md.
 """
@@ -33,6 +37,7 @@ from pathlib import Path
 import psutil
 import torch
 
+from bench.netns import ShapedNet
 from bench.report import RESULTS, replace_block
 from p2ptrain.localswarm import LOOPBACK, run_swarm
 
@@ -47,6 +52,10 @@ SETTINGS: dict[str, tuple[str, list[str]]] = {
         ["outer.overlap=true"],
     ),
 }
+
+
+TRAFFIC_SETS = [f"inner.round_seconds={4.0}", "inner.num_inner_steps=100000"]
+"""The traffic-against-size runs: 4 s rounds by time."""
 
 
 def _ts(event: dict) -> float:
@@ -69,13 +78,14 @@ def phase_shares(steps: list[dict]) -> dict:
 
 
 class P2pdBytes:
-    """The bytes each peer's ``p2pd`` read and wrote (``/proc/<pid>/io``), sampled every half second until the
-    peers exit. Everything a peer sends or receives (DHT records, matchmaking, the all-reduce) passes through
-    its p2pd twice: once between the peer's processes and p2pd, once on the wire; half of p2pd's read and
-    write bytes is the peer's traffic (libp2p's own framing and encryption aside). Linux only."""
+    """The bytes each peer's ``p2pd`` read and wrote (``/proc/<pid>/io``), sampled every 0.1 s until the peers
+    exit. Everything a peer sends or receives (records, matchmaking, the all-reduce) passes through its p2pd
+    twice: once between the peer's processes and p2pd, once on the wire; half of p2pd's read and write bytes
+    is the peer's traffic (libp2p's own framing and encryption aside). Linux only."""
 
     def __init__(self):
         self.last: dict[int, dict[int, int]] = {}  # peer index -> p2pd pid -> rchar + wchar
+        self.series: dict[int, list[tuple[float, int]]] = {}  # peer index -> (wall time, traffic so far)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -89,7 +99,7 @@ class P2pdBytes:
             self._thread.join()
 
     def _loop(self, procs) -> None:
-        while not self._stop.wait(0.5):
+        while not self._stop.wait(0.1):
             for p in list(procs):
                 try:
                     children = psutil.Process(p.proc.pid).children(recursive=True)
@@ -102,16 +112,67 @@ class P2pdBytes:
                             self.last.setdefault(p.index, {})[child.pid] = io.read_chars + io.write_chars
                     except psutil.Error:
                         pass
+                if p.index in self.last:
+                    self.series.setdefault(p.index, []).append((time.time(), self.traffic(p.index)))
 
     def traffic(self, index: int) -> int:
         """Bytes sent plus received by peer ``index`` (half its p2pd's read and write bytes)."""
         return sum(self.last.get(index, {}).values()) // 2
 
+    def at(self, index: int, when: float) -> float:
+        """Peer ``index``'s traffic so far at wall time ``when`` (between two samples: interpolated)."""
+        series = self.series.get(index, [])
+        before = [(t, b) for t, b in series if t <= when]
+        after = [(t, b) for t, b in series if t > when]
+        if not before or not after:
+            raise SystemExit(f"peer {index}: no traffic samples around {when}")
+        (t0, b0), (t1, b1) = before[-1], after[0]
+        return b0 + (b1 - b0) * (when - t0) / (t1 - t0)
 
-def run(name: str, sets: list[str], peers: int, rounds: int, workdir: Path) -> dict:
+
+def inner_midpoint(step: dict) -> float:
+    """When the middle of the inner phase of the round an outer step line ends: its all-reduce is not in flight
+    (its line is written after the evaluation that follows the round)."""
+    started = _ts(step) - step.get("eval_s", 0.0) - step["duration_s"]
+    return started + step["inner_s"] / 2
+
+
+def steady_traffic(sampler: P2pdBytes, index: int, steps: list[dict]) -> dict:
+    """Non-payload and payload bytes per round and per second of one peer, from the middle of its second inner
+    phase to the middle of its last (start-up and goodbye left out)."""
+    first, last = 1, len(steps) - 1
+    t0, t1 = inner_midpoint(steps[first]), inner_midpoint(steps[last])
+    total = sampler.at(index, t1) - sampler.at(index, t0)
+    payload = sum(s["bytes_sent"] + s["bytes_received"] for s in steps[first:last])  # the syncs in between
+    rounds = last - first
+    return {
+        "rounds": rounds,
+        "non_payload_bytes_per_round": round((total - payload) / rounds),
+        "payload_bytes_per_round": round(payload / rounds),
+        "non_payload_bytes_per_s": round((total - payload) / (t1 - t0)),
+    }
+
+
+def run(
+    name: str,
+    sets: list[str],
+    peers: int,
+    rounds: int,
+    workdir: Path,
+    *,
+    overlapped: bool = False,
+    net: ShapedNet | None = None,
+) -> dict:
+    """The swarm of ``peers`` peers under ``sets``, to its end: each peer's phase shares and traffic. ``net``:
+    each peer in its namespace of a shaped network (else on 127.0.0.1)."""
     shutil.rmtree(workdir, ignore_errors=True)  # a fresh swarm: no checkpoint of an earlier run to resume
-    base = ["join", "--config", str(ROOT / "configs" / "default.yaml"), "--host-maddrs", LOOPBACK]
-    base += ["--log-format", "json"]
+    base = ["join", "--config", str(ROOT / "configs" / "default.yaml"), "--log-format", "json"]
+    if net is None:
+        base += ["--host-maddrs", LOOPBACK]
+        extra: dict[int, list[str]] = {}
+    else:  # nothing to map or probe on a bridge of our own: no UPnP, no relays
+        base += ["--set", "swarm.nat_port_map=false", "--set", "swarm.use_auto_relay=false"]
+        extra = {i: ["--host-maddrs", f"/ip4/{net.address(i)}/tcp/0"] for i in range(peers)}
     for item in [
         *sets,
         f"run.run_id=utilization-{name}-{int(time.time())}",
@@ -121,25 +182,33 @@ def run(name: str, sets: list[str], peers: int, rounds: int, workdir: Path) -> d
     ]:
         base += ["--set", item]
     sampler = P2pdBytes()
-    procs, codes = run_swarm(base, workdir, peers, timeout_s=1800, started=sampler.start)
+    procs, codes = run_swarm(
+        base,
+        workdir,
+        peers,
+        extra=extra,
+        timeout_s=1800,
+        started=sampler.start,
+        prefix=net.prefix if net is not None else None,
+        maddr_prefix=f"/ip4/{net.address(0)}/" if net is not None else "/ip4/127.0.0.1/",
+    )
     sampler.stop()
     if any(codes):
         raise SystemExit(f"{name}: exit codes {codes}; logs in {workdir}")
     per_peer = [phase_shares(p.outer_steps()) for p in procs]
-    for p, shares in zip(procs, per_peer):
-        steps = p.outer_steps()
-        payload = sum(s["bytes_sent"] + s["bytes_received"] for s in steps)
-        total = sampler.traffic(p.index)
-        shares["bytes_per_round"] = total // len(steps)
-        shares["payload_bytes_per_round"] = payload // len(steps)
-        shares["non_payload_bytes_per_round"] = (total - payload) // len(steps)
+    traffic = None
+    if not overlapped:  # with overlap an all-reduce is always in flight: no quiet moment to count from
+        for p, shares in zip(procs, per_peer):
+            shares["traffic"] = steady_traffic(sampler, p.index, p.outer_steps())
+        traffic = {
+            key: round(sum(p["traffic"][key] for p in per_peer) / len(per_peer))
+            for key in ("non_payload_bytes_per_round", "payload_bytes_per_round", "non_payload_bytes_per_s")
+        }
     finals = [s["val_loss"] for p in procs for s in p.outer_steps()[-1:] if s.get("val_loss") is not None]
     mean = {k: round(sum(p["shares"][k] for p in per_peer) / len(per_peer), 3) for k in (*PHASES, "other")}
     return {
         "sets": sets,
-        "non_payload_bytes_per_round": round(
-            sum(p["non_payload_bytes_per_round"] for p in per_peer) / len(per_peer)
-        ),
+        "traffic": traffic,
         "peers": per_peer,
         "mean_shares": mean,
         "utilization": [p["utilization"] for p in per_peer],
@@ -159,28 +228,25 @@ def main() -> None:
     for name in args.only:
         label, sets = SETTINGS[name]
         print(f"{name}: {label}", flush=True)
-        results[name] = run(name, sets, args.peers, args.rounds, args.workdir / name)
+        overlapped = "outer.overlap=true" in sets
+        results[name] = run(name, sets, args.peers, args.rounds, args.workdir / name, overlapped=overlapped)
         print(
             f"  utilization {results[name]['utilization']}, shares {results[name]['mean_shares']}", flush=True
         )
-    # Traffic against swarm size: the default setting with N peers (on one machine the rounds slow down as N
-    # grows; traffic is counted per round, so that does not change it much).
+    # Traffic against swarm size, in rounds by time: every size's rounds last as long (by steps, N peers on one
+    # machine's CPUs train N times slower, and what a peer sends each second would count N times per round).
     traffic = {}
     for n in args.traffic_peers:
-        r = results["default"] if n == args.peers and "default" in results else None
-        if r is None:
-            print(f"traffic: {n} peers", flush=True)
-            r = run(f"traffic-{n}", [], n, args.rounds, args.workdir / f"traffic-{n}")
+        print(f"traffic: {n} peers", flush=True)
+        r = run(f"traffic-{n}", TRAFFIC_SETS, n, args.rounds, args.workdir / f"traffic-{n}")
         traffic[n] = {
-            "non_payload_bytes_per_round": r["non_payload_bytes_per_round"],
-            "payload_bytes_per_round": round(
-                sum(p["payload_bytes_per_round"] for p in r["peers"]) / len(r["peers"])
-            ),
+            **r["traffic"],
             "seconds_per_round": round(sum(p["seconds_per_round"] for p in r["peers"]) / len(r["peers"]), 2),
         }
     out = {
         "machine": {"cpu_count": torch.get_num_threads(), "platform": platform.platform()},
         "experiment": {"config": "configs/default.yaml", "peers": args.peers, "rounds": args.rounds},
+        "traffic_sets": TRAFFIC_SETS,
         "results": results,
         "traffic_by_peers": traffic,
     }
@@ -194,24 +260,27 @@ def main() -> None:
     for name, r in results.items():
         m = r["mean_shares"]
         per_round = sum(p["seconds_per_round"] for p in r["peers"]) / len(r["peers"])
-        other = f"{m['other']:.2f}" if m["other"] > -0.01 else "—"  # overlap: the phases overlap training
+        # With overlap the phases run beside training: their shares overlap the inner phase's, no "other".
+        other = f"{max(m['other'], 0.0):.2f}" if m["other"] > -0.01 else "—"
+        traffic_kb = f"{r['traffic']['non_payload_bytes_per_round'] / 1e3:.0f}" if r["traffic"] else "—"
         rows.append(
             f"| {SETTINGS[name][0]} | {', '.join(f'{u:.2f}' for u in r['utilization'])} | {m['inner']:.2f} | "
             f"{m['barrier']:.2f} | {m['sync']:.2f} | {m['eval']:.2f} | {other} | {per_round:.2f} | "
-            f"{r['non_payload_bytes_per_round'] / 1e3:.0f} | "
-            f"{r['final_val_loss']:.4f} |"
+            f"{traffic_kb} | {r['final_val_loss']:.4f} |"
         )
     replace_block("utilization", rows)
     print("\n".join(rows))
     smallest = traffic[min(traffic)]["non_payload_bytes_per_round"] if traffic else 1
     rows = [
-        "| peers | non-payload kB per peer per round | vs the smallest swarm | payload kB per peer per round |",
-        "| --- | --- | --- | --- |",
+        "| peers | non-payload kB per peer per round | vs the smallest swarm | non-payload kB per peer per s "
+        "| payload kB per peer per round | s per round |",
+        "| --- | --- | --- | --- | --- | --- |",
     ]
     for n, t in traffic.items():
         rows.append(
-            f"| {n} | {t['non_payload_bytes_per_round'] / 1e3:.0f} | "
-            f"{t['non_payload_bytes_per_round'] / smallest:.2f} | {t['payload_bytes_per_round'] / 1e3:.0f} |"
+            f"| {n} | {t['non_payload_bytes_per_round'] / 1e3:.1f} | "
+            f"{t['non_payload_bytes_per_round'] / smallest:.2f} | {t['non_payload_bytes_per_s'] / 1e3:.2f} | "
+            f"{t['payload_bytes_per_round'] / 1e3:.0f} | {t['seconds_per_round']:.2f} |"
         )
     replace_block("traffic", rows)
     print("\n".join(rows))

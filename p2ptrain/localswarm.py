@@ -36,6 +36,7 @@ class PeerProcess:
         env: extra environment variables.
         on_event: called from the reader thread with (this, event) for each JSON log line.
         module: what ``python -m`` runs (the benchmarks' hostile peers are not ``p2ptrain``).
+        prefix: a command to run it under (the shaped-link benchmark's ``ip netns exec NAME``).
     """
 
     def __init__(
@@ -47,6 +48,7 @@ class PeerProcess:
         on_event: Callable[[PeerProcess, dict[str, Any]], None] | None = None,
         index: int = 0,
         module: str = "p2ptrain",
+        prefix: list[str] | None = None,
     ):
         self.args, self.log_path, self.index = list(args), Path(log_path), index
         self.stdout_lines: list[str] = []
@@ -55,7 +57,7 @@ class PeerProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", module, *self.args],
+            [*(prefix or []), sys.executable, "-m", module, *self.args],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -117,10 +119,10 @@ class PeerProcess:
 
     # ----------------------------------------------------------------------------------- waiting
 
-    def wait_for_maddr(self, timeout_s: float = 90) -> str:
+    def wait_for_maddr(self, timeout_s: float = 90, prefix: str = "/ip4/127.0.0.1/") -> str:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            maddr = self.maddr()
+            maddr = self.maddr(prefix)
             if maddr:
                 return maddr
             if self.proc.poll() is not None:
@@ -180,12 +182,15 @@ def run_swarm(
     extra: dict[int, list[str]] | None = None,
     timeout_s: float = 1800,
     started: Callable[[list[PeerProcess]], None] | None = None,
+    prefix: Callable[[int], list[str]] | None = None,
+    maddr_prefix: str = "/ip4/127.0.0.1/",
 ) -> tuple[list[PeerProcess], list[int]]:
     """Run ``count`` peers of ``base`` join arguments to their end, each with its own checkpoint dir and log
     under ``workdir``; the first one's address is the others' initial peer. ``hostile``: peer index ->
     (module, arguments before ``base``) for a peer that is not plain ``p2ptrain``; ``extra``: index -> more
     arguments. ``started``: called with the list of processes once the first has started (the others are
-    appended to it as they start). Returns the processes (stopped) and their exit codes."""
+    appended to it as they start). ``prefix``: index -> the command a peer runs under; ``maddr_prefix``: the
+    first peer's address that the others join through. Returns the processes (stopped) and their exit codes."""
     hostile, extra = hostile or {}, extra or {}
     procs: list[PeerProcess] = []
     try:
@@ -193,12 +198,20 @@ def run_swarm(
         for i in range(count):
             args = base + ["--set", f"checkpoint.dir={workdir / f'peer{i}'}", *extra.get(i, [])]
             args += ["--initial-peers", first] if first else []
-            module, prefix = hostile.get(i, ("p2ptrain", []))
-            procs.append(PeerProcess([*prefix, *args], workdir / f"peer{i}.log", index=i, module=module))
+            module, before = hostile.get(i, ("p2ptrain", []))
+            procs.append(
+                PeerProcess(
+                    [*before, *args],
+                    workdir / f"peer{i}.log",
+                    index=i,
+                    module=module,
+                    prefix=prefix(i) if prefix is not None else None,
+                )
+            )
             if first is None:
                 if started is not None:
                     started(procs)
-                first = procs[0].wait_for_maddr(timeout_s=90)
+                first = procs[0].wait_for_maddr(timeout_s=90, prefix=maddr_prefix)
         codes = [p.wait(timeout_s=timeout_s) for p in procs]
     finally:
         for p in procs:
