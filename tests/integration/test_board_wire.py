@@ -100,8 +100,12 @@ def test_a_newcomer_is_found_and_a_peer_that_dies_silently_is_gone_after_its_tim
     # SIGKILL-like: its DHT child goes, no goodbye is said; the others drop it once its record expires.
     second._stop.set()
     stop_dht(second.dht)
-    wait_until(lambda: second.peer_id not in first.records(), "the dead peer to expire", timeout_s=30)
-    assert second.peer_id not in newcomer.records()
+    # Each table expires it on its own clock: the last push from it may have reached one of them later.
+    wait_until(
+        lambda: all(second.peer_id not in b.records() for b in (first, newcomer)),
+        "the dead peer to expire",
+        timeout_s=30,
+    )
     assert first.peer_id in newcomer.records()  # the living keep each other alive all the while
 
 
