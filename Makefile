@@ -52,6 +52,7 @@ bench: $(STAMP)
 	$(BIN)/python -m bench.utilization
 	$(BIN)/python -m bench.link
 	$(BIN)/python -m bench.overlap
+	$(BIN)/python -m bench.data
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

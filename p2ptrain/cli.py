@@ -523,6 +523,60 @@ def eval_(
         typer.echo(f"Plot written to {plot}", err=as_json)
 
 
+data_app = typer.Typer(no_args_is_help=True, help="Prepare corpora: tokenize once into memory-mapped shards.")
+app.add_typer(data_app, name="data")
+
+
+@data_app.command("prepare")
+def data_prepare(
+    sources: Annotated[
+        list[str],
+        typer.Argument(
+            metavar="SOURCE...", help="Text files, folders, globs ('corpus/**/*.txt') or .jsonl files."
+        ),
+    ],
+    out: Annotated[Path, typer.Option(help="The folder to write (its manifest and shards are replaced).")],
+    tokenizer: Annotated[
+        str,
+        typer.Option(
+            help="'byte' (256 ids, no file), 'bpe' (trained here on the sources) or a tokenizer.json."
+        ),
+    ] = "byte",
+    vocab_size: Annotated[int, typer.Option(help="Ids of the BPE trained with --tokenizer bpe.")] = 8192,
+    text_field: Annotated[str, typer.Option(help="The field of a .jsonl line that holds its text.")] = "text",
+    shard_tokens: Annotated[int, typer.Option(help="Tokens per shard file.")] = 1 << 27,
+) -> None:
+    """Tokenize SOURCE... into --out: a manifest and memory-mapped token shards that `data.source: prepared`
+    trains on (docs/data.md)."""
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+
+    from p2ptrain.prepare import PrepareError, expand_sources, prepare
+
+    try:
+        total = sum(s.path.stat().st_size for s in expand_sources(sources))
+        columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn())
+        with Progress(*columns, transient=True, disable=not sys.stderr.isatty()) as bar:
+            task = bar.add_task(
+                "tokenizing" if tokenizer != "bpe" else "training BPE, then tokenizing", total=total
+            )
+            manifest = prepare(
+                sources,
+                out,
+                tokenizer=tokenizer,
+                vocab_size=vocab_size,
+                text_field=text_field,
+                shard_tokens=shard_tokens,
+                progress=lambda n: bar.advance(task, n),
+            )
+    except (PrepareError, OSError) as e:
+        raise fail(str(e), EXIT_USAGE) from None
+    typer.echo(
+        f"{out}: {manifest.num_tokens:,} tokens ({manifest.tokenizer}, {manifest.vocab_size} ids) from "
+        f"{manifest.documents:,} documents in {len(manifest.shards)} shard(s); sha256 {manifest.sha256[:16]}"
+    )
+    typer.echo(f"Train on it with: --set data.source=prepared --set data.path={out}")
+
+
 @config_app.command("show")
 def config_show(file: Annotated[Path | None, typer.Argument()] = None, set_: SetOpt = None) -> None:
     """Print the resolved config (file + P2PTRAIN_ env + --set) as YAML."""

@@ -70,11 +70,13 @@ class ModelConfig(_Section):
 
 
 class DataConfig(_Section):
-    source: Literal["pydoc", "text"] = "pydoc"
-    """'pydoc': the documentation topics that ship with every Python (offline, ~0.47 MB).
-    'text': a UTF-8 text file of your own, given in data.path."""
+    source: Literal["pydoc", "text", "prepared"] = "pydoc"
+    """'pydoc': the documentation topics that ship with every Python (offline, ~0.47 MB, one token per byte).
+    'text': a UTF-8 text file of your own, given in data.path, read into memory (one token per byte).
+    'prepared': a folder that `p2ptrain data prepare` wrote, given in data.path: token shards (bytes or a BPE)
+    read from disk window by window, for corpora of any size (docs/data.md)."""
     path: Path | None = None
-    """The text file for source 'text'."""
+    """The text file for source 'text'; the prepared folder for source 'prepared'."""
     val_fraction: float = Field(default=0.05, gt=0.0, lt=0.5)
     """Fraction of the corpus (its end) held out for validation."""
     eval_batches: int = Field(default=20, ge=1)
@@ -94,8 +96,19 @@ class DataConfig(_Section):
                 raise ValueError(f"data.path: {self.path} is a directory; give one UTF-8 text file")
             if not self.path.is_file():
                 raise ValueError(f"data.path: no such file: {self.path}")
+        elif self.source == "prepared":
+            from p2ptrain.prepare import Manifest  # imports nothing of ours
+
+            if self.path is None:
+                raise ValueError("data.path is required when data.source is 'prepared'")
+            if not self.path.is_dir():
+                raise ValueError(f"data.path: {self.path} is not a folder that `p2ptrain data prepare` wrote")
+            try:
+                Manifest.read(self.path)
+            except ValueError as e:
+                raise ValueError(f"data.path: {e}") from None
         elif self.path is not None:
-            raise ValueError("data.path is only used with data.source 'text'")
+            raise ValueError("data.path is only used with data.source 'text' or 'prepared'")
         return self
 
 

@@ -14,13 +14,13 @@ import torch.nn.functional as F
 
 from p2ptrain import checkpoint
 from p2ptrain.config import ExperimentConfig
-from p2ptrain.data import Corpus, load_corpus
+from p2ptrain.data import Corpus, open_corpus
 from p2ptrain.models import build_model
 
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, corpus: Corpus, cfg: ExperimentConfig, device: torch.device) -> dict:
-    """Validation loss, perplexity and next-byte accuracy over ``data.eval_batches`` fixed batches."""
+    """Validation loss, perplexity and next-token accuracy over ``data.eval_batches`` fixed batches."""
     was_training = model.training
     model.eval()
     loss_sum, correct, count = 0.0, 0, 0
@@ -49,15 +49,16 @@ class Evaluator:
     def corpus(self, cfg: ExperimentConfig) -> Corpus:
         key = cfg.data.model_dump_json() + str(cfg.model.context_length)
         if key not in self._corpora:
-            self._corpora[key] = Corpus.from_bytes(
-                load_corpus(cfg.data), cfg.model.context_length, cfg.data.val_fraction
-            )
+            self._corpora[key] = open_corpus(cfg.data, cfg.model.context_length, cfg.data.val_fraction)
         return self._corpora[key]
 
     def initial(self, cfg: ExperimentConfig) -> dict:
         """Metrics of the run's initial model (what every peer starts from)."""
-        model = build_model(cfg.model.name, cfg.model.context_length, seed=cfg.run.seed)
-        return evaluate(model, self.corpus(cfg), cfg, torch.device("cpu"))
+        corpus = self.corpus(cfg)
+        model = build_model(
+            cfg.model.name, cfg.model.context_length, seed=cfg.run.seed, vocab_size=corpus.vocab_size
+        )
+        return evaluate(model, corpus, cfg, torch.device("cpu"))
 
     def loaded(self, loaded: checkpoint.LoadedModel, path: Path | str = "") -> dict:
         """Metrics of a model file's params, under the config stored in it.
@@ -66,9 +67,10 @@ class Evaluator:
             CheckpointError: the params do not fit the model or their hash.
         """
         cfg = loaded.config
-        model = build_model(cfg.model.name, cfg.model.context_length)
+        corpus = self.corpus(cfg)
+        model = build_model(cfg.model.name, cfg.model.context_length, vocab_size=corpus.vocab_size)
         checkpoint.load_into(model, loaded, path)
-        return evaluate(model, self.corpus(cfg), cfg, torch.device("cpu"))
+        return evaluate(model, corpus, cfg, torch.device("cpu"))
 
     def file(self, path: Path) -> tuple[checkpoint.LoadedModel, dict]:
         loaded = checkpoint.load(path)

@@ -258,11 +258,16 @@ def config_for(experiment: Experiment, overrides: dict[str, Any] | None = None) 
     data = base["data"]
     data.pop("sha256", None)
     overrides = overrides or {}
-    if data.get("source") == "text" and not (overrides.get("data") or {}).get("path"):
+    if data.get("source") in ("text", "prepared") and not (overrides.get("data") or {}).get("path"):
+        what, flag = (
+            ("a text file", "FILE")
+            if data["source"] == "text"
+            else ("a prepared corpus", "DIR (`p2ptrain data prepare`)")
+        )
         raise ConfigError(
-            f"the swarm's experiment {experiment.run_id} trains on a text file (sha256 "
+            f"the swarm's experiment {experiment.run_id} trains on {what} (sha256 "
             f"{experiment.sections['data'].get('sha256', '?')[:12]}): give your copy of it with "
-            "--set data.path=FILE"
+            f"--set data.path={flag}"
         )
     try:
         cfg = load_config(None, deep_merge({}, overrides), base=base)

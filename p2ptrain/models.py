@@ -1,6 +1,7 @@
-"""The model zoo: small byte-level GPTs (nanoGPT's shape) that train on a CPU in minutes.
+"""The model zoo: small GPTs (nanoGPT's shape) that train on a CPU in minutes.
 
-Vocabulary: the 256 byte values, so any UTF-8 text works without a tokenizer file.
+Vocabulary: the 256 byte values by default, so any UTF-8 text works without a tokenizer file; a prepared
+corpus with a BPE (``prepare.py``) sets its own size.
 """
 
 from __future__ import annotations
@@ -59,14 +60,16 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, shape: GPTShape, context_length: int, dropout: float = 0.0):
+    def __init__(
+        self, shape: GPTShape, context_length: int, dropout: float = 0.0, vocab_size: int = VOCAB_SIZE
+    ):
         super().__init__()
         self.context_length = context_length
-        self.tok_emb = nn.Embedding(VOCAB_SIZE, shape.n_embd)
+        self.tok_emb = nn.Embedding(vocab_size, shape.n_embd)
         self.pos_emb = nn.Embedding(context_length, shape.n_embd)
         self.blocks = nn.ModuleList(Block(shape, dropout) for _ in range(shape.n_layer))
         self.ln_f = nn.LayerNorm(shape.n_embd)
-        self.head = nn.Linear(shape.n_embd, VOCAB_SIZE, bias=False)
+        self.head = nn.Linear(shape.n_embd, vocab_size, bias=False)
         self.head.weight = self.tok_emb.weight  # weight tying, as in GPT-2
         self.apply(self._init_weights)
 
@@ -80,7 +83,7 @@ class GPT(nn.Module):
             nn.init.normal_(module.weight, std=0.02)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        """idx: (B, T) int64 byte ids -> logits (B, T, 256)."""
+        """idx: (B, T) int64 token ids -> logits (B, T, vocab_size)."""
         T = idx.shape[1]
         pos = torch.arange(T, device=idx.device)
         x = self.tok_emb(idx) + self.pos_emb(pos)
@@ -94,13 +97,15 @@ class GPT(nn.Module):
 _BUILD_LOCK = threading.Lock()
 
 
-def build_model(name: str, context_length: int, dropout: float = 0.0, seed: int = 0) -> GPT:
+def build_model(
+    name: str, context_length: int, dropout: float = 0.0, seed: int = 0, vocab_size: int = VOCAB_SIZE
+) -> GPT:
     """Build a zoo model with deterministic initial weights (same seed, same weights on every peer)."""
     if name not in ZOO:
         raise ValueError(f"unknown model {name!r}; the zoo has {', '.join(ZOO)}")
     with _BUILD_LOCK, torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return GPT(ZOO[name], context_length, dropout)
+        return GPT(ZOO[name], context_length, dropout, vocab_size)
 
 
 def num_params(model: nn.Module) -> int:

@@ -27,7 +27,7 @@ import torch
 from p2ptrain import checkpoint, experiment, protocol, telemetry, verify
 from p2ptrain.compression import ErrorFeedback, codec_for, wire_parts
 from p2ptrain.config import ConfigError, ExperimentConfig
-from p2ptrain.data import Corpus, load_corpus
+from p2ptrain.data import open_corpus
 from p2ptrain.diloco import DiLoCo, OuterStepReport, tensors_hash
 from p2ptrain.evaluation import evaluate
 from p2ptrain.inner import (
@@ -401,12 +401,14 @@ class Trainer:
         # First: a peer that would write into another running peer's directory must not start anything.
         self.peer_dir = checkpoint.PeerDir.claim(cfg.checkpoint.dir, cfg.run.run_id)
         self.device = pick_device(cfg.device.kind)
-        self.corpus = Corpus.from_bytes(
-            load_corpus(cfg.data), cfg.model.context_length, cfg.data.val_fraction
-        )
+        self.corpus = open_corpus(cfg.data, cfg.model.context_length, cfg.data.val_fraction)
         # On the CPU until the network's children have forked: they must not inherit a CUDA context.
         self.model = build_model(
-            cfg.model.name, cfg.model.context_length, cfg.model.dropout, seed=cfg.run.seed
+            cfg.model.name,
+            cfg.model.context_length,
+            cfg.model.dropout,
+            seed=cfg.run.seed,
+            vocab_size=self.corpus.vocab_size,
         )
         self.codec = codec_for(cfg.averaging)  # one codec: error feedback must round as the wire does
         shapes = [p.shape for p in self.model.parameters() if p.requires_grad]

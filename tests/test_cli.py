@@ -141,3 +141,20 @@ def test_a_volunteers_file_of_its_own_sections_joins_the_swarms_experiment(tmp_p
     assert result.exit_code == 0, result.output
     assert asked[-1]["run"] == {"run_id": "their-run"} and asked[-1]["device"] == {"num_threads": 2}
     assert asked[-1]["swarm"]["initial_peers"] == ["/ip4/1.2.3.4/tcp/1/p2p/x"]
+
+
+def test_data_prepare_writes_a_folder_a_config_trains_on_and_bad_sources_are_one_line(tmp_path):
+    (tmp_path / "a.txt").write_text("hello prepared world\n" * 200)
+    out = run("data", "prepare", str(tmp_path / "a.txt"), "--out", str(tmp_path / "data"))
+    assert out.returncode == 0, out.stderr
+    assert "4,201 tokens (byte, 256 ids) from 1 documents" in out.stdout
+    assert f"--set data.source=prepared --set data.path={tmp_path / 'data'}" in out.stdout
+    shown = run("config", "show", "--set", "data.source=prepared", "--set", f"data.path={tmp_path / 'data'}")
+    assert shown.returncode == 0 and "source: prepared" in shown.stdout
+    bad = run("data", "prepare", str(tmp_path / "missing.txt"), "--out", str(tmp_path / "x"))
+    assert bad.returncode == 2 and one_line_error(bad) == [
+        f"error: source {tmp_path / 'missing.txt'}: no such file or folder"
+    ]
+    unprepared = run("config", "show", "--set", "data.source=prepared", "--set", f"data.path={tmp_path}")
+    assert unprepared.returncode == 2
+    assert len(one_line_error(unprepared)) == 1 and "no manifest.json" in unprepared.stderr

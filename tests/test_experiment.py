@@ -171,3 +171,20 @@ def test_the_training_hash_follows_the_data_not_its_path(tmp_path, monkeypatch):
     corpus.write_bytes(b"other text under that path " * 400)
     os.utime(corpus, ns=(1, 1))  # a new mtime, whatever the clock's resolution
     assert absolute.training_hash() != before
+
+
+def test_a_joiner_with_the_same_prepared_tokens_is_taken_and_one_with_other_tokens_refused(keys, tmp_path):
+    from p2ptrain.prepare import prepare
+
+    text = tmp_path / "corpus.txt"
+    text.write_bytes(b"the swarm's corpus. " * 500)
+    prepare([str(text)], tmp_path / "owner")
+    published_ = verified(sign(cfg_of(data__source="prepared", data__path=str(tmp_path / "owner")), keys[0]))
+    assert published_ is not None
+    with pytest.raises(ConfigError, match=r"trains on a prepared corpus .*--set data.path=DIR"):
+        config_for(published_, {})
+    prepare([str(text)], tmp_path / "mine")  # prepared again elsewhere: the same tokens
+    assert config_for(published_, {"data": {"path": str(tmp_path / "mine")}}).data.path == tmp_path / "mine"
+    prepare([str(text)], tmp_path / "bpe", tokenizer="bpe", vocab_size=300)  # same text, other tokens
+    with pytest.raises(ConfigError, match="data.sha256: .* here, .* in the swarm"):
+        config_for(published_, {"data": {"path": str(tmp_path / "bpe")}})

@@ -71,6 +71,28 @@ def test_three_peers_train_every_round_together(tmp_path):
         assert p.trainer.last_group_size == 3
 
 
+def test_peers_train_on_a_prepared_bpe_corpus_read_from_disk(tmp_path):
+    from p2ptrain.config import DataConfig
+    from p2ptrain.data import corpus_digest, load_corpus
+    from p2ptrain.prepare import prepare
+
+    text = tmp_path / "corpus.txt"
+    text.write_bytes(load_corpus(DataConfig()))  # Python's documentation, as a file
+    manifest = prepare([str(text)], tmp_path / "prepared", tokenizer="bpe", vocab_size=320)
+    data = {"source": "prepared", "path": str(tmp_path / "prepared")}
+    # Tokens carry more than bytes: a few more steps than the tiny config's for the loss to fall as far.
+    peers = start(MemorySwarm(), tmp_path, ["a", "b"], data=data, inner={"num_inner_steps": 10, "lr": 0.006})
+    finish(peers)
+    for p in peers.values():
+        assert p.result is not None and p.result.outcome == Outcome.FINAL, p.result
+    evaluator = Evaluator()
+    loaded, final = evaluator.file(tmp_path / "a" / "final.safetensors")
+    initial = evaluator.initial(loaded.config)
+    assert final["val_loss"] < initial["val_loss"] - 0.5, (initial, final)
+    assert loaded.params["tok_emb.weight"].shape[0] == manifest.vocab_size
+    assert corpus_digest(loaded.config.data) == manifest.sha256
+
+
 def test_overlapped_rounds_train_the_next_round_while_the_last_is_averaged(tmp_path):
     peers = start(MemorySwarm(), tmp_path, ["a", "b", "c"], outer={"overlap": True})
     finish(peers)
