@@ -523,6 +523,31 @@ def eval_(
         typer.echo(f"Plot written to {plot}", err=as_json)
 
 
+@app.command("export")
+def export_(
+    checkpoint_path: Annotated[
+        Path, typer.Argument(metavar="CHECKPOINT", help="A model file from join or demo.")
+    ],
+    out: Annotated[
+        Path, typer.Option(help="The folder to write (config.json, model.safetensors, tokenizer).")
+    ],
+) -> None:
+    """Write a Llama-shaped model file as a Hugging Face folder: `AutoModelForCausalLM.from_pretrained(OUT)`
+    opens it, and `AutoTokenizer` too where the run trained on a prepared BPE corpus (docs/data.md)."""
+    from p2ptrain.checkpoint import CheckpointError
+    from p2ptrain.export import ExportError, export
+
+    try:
+        config = export(checkpoint_path, out)
+    except (CheckpointError, ExportError, OSError) as e:
+        raise fail(str(e), EXIT_RUNTIME if isinstance(e, CheckpointError | OSError) else EXIT_USAGE) from None
+    typer.echo(
+        f"{out}: LlamaForCausalLM, {config['num_hidden_layers']} layers x {config['hidden_size']}, "
+        f"{config['vocab_size']} ids, round {config['p2ptrain']['round']}"
+        + (", with its tokenizer" if (out / "tokenizer.json").exists() else ", byte ids (no tokenizer)")
+    )
+
+
 data_app = typer.Typer(no_args_is_help=True, help="Prepare corpora: tokenize once into memory-mapped shards.")
 app.add_typer(data_app, name="data")
 

@@ -61,10 +61,24 @@ class RunConfig(_Section):
 
 
 class ModelConfig(_Section):
-    name: Literal["gpt-nano", "gpt-micro", "gpt-mini", "gpt-small"] = "gpt-micro"
-    """Model from the zoo (p2ptrain/models.py): byte-level GPTs from 0.1M to 10M parameters."""
-    context_length: int = Field(default=64, ge=8, le=4096)
-    """Tokens (bytes) per training sequence."""
+    name: Literal[
+        "gpt-nano",
+        "gpt-micro",
+        "gpt-mini",
+        "gpt-small",
+        "llama-nano",
+        "llama-micro",
+        "llama-mini",
+        "llama-small",
+        "llama-100m",
+        "llama-300m",
+        "llama-1b",
+    ] = "gpt-micro"
+    """Model from the zoo (p2ptrain/models.py): GPTs (nanoGPT's shape) from 0.1M to 10M parameters, or
+    Llama-shaped decoders (RMSNorm, rotary embeddings, SwiGLU) from 0.1M to 1B, which `p2ptrain export` writes
+    as a folder that Hugging Face transformers opens. The vocabulary follows the data (256 bytes, or a BPE's)."""
+    context_length: int = Field(default=64, ge=8, le=8192)
+    """Tokens per training sequence."""
     dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
     """Dropout probability inside the transformer blocks."""
 

@@ -1,11 +1,17 @@
-"""The model zoo: small GPTs (nanoGPT's shape) that train on a CPU in minutes.
+"""The model zoo: GPTs (nanoGPT's shape) that train on a CPU in minutes, and Llama-shaped decoders (RMSNorm,
+rotary embeddings, SwiGLU) from CPU-sized to 1B parameters.
 
 Vocabulary: the 256 byte values by default, so any UTF-8 text works without a tokenizer file; a prepared
 corpus with a BPE (``prepare.py``) sets its own size.
+
+The Llama models are Hugging Face's ``LlamaForCausalLM`` computed the same way (the same parameter names, the
+same rotary convention, RMSNorm in float32), written here so that training needs no ``transformers``:
+``export.py`` writes a folder that ``LlamaForCausalLM.from_pretrained`` opens, with the same logits.
 """
 
 from __future__ import annotations
 
+import math
 import threading
 from dataclasses import dataclass
 
@@ -23,11 +29,35 @@ class GPTShape:
     n_embd: int
 
 
-ZOO: dict[str, GPTShape] = {
+@dataclass(frozen=True)
+class LlamaShape:
+    n_layer: int
+    n_head: int
+    n_kv_head: int
+    """Key/value heads (grouped-query attention: n_head is a multiple of it)."""
+    n_embd: int
+    intermediate: int
+    """SwiGLU's hidden width."""
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    tie_embeddings: bool = True
+
+
+ZOO: dict[str, GPTShape | LlamaShape] = {
     "gpt-nano": GPTShape(n_layer=2, n_head=2, n_embd=64),  # ~0.1M params: tests
     "gpt-micro": GPTShape(n_layer=4, n_head=4, n_embd=128),  # ~0.8M params: the demo
     "gpt-mini": GPTShape(n_layer=6, n_head=6, n_embd=192),  # ~2.7M params
     "gpt-small": GPTShape(n_layer=8, n_head=8, n_embd=320),  # ~10M params
+    # Llama-shaped; params with a byte vocabulary (the CPU sizes) or one of 32,000 ids (the GPU sizes).
+    "llama-nano": LlamaShape(n_layer=2, n_head=2, n_kv_head=2, n_embd=64, intermediate=176),  # ~0.1M: tests
+    "llama-micro": LlamaShape(n_layer=4, n_head=4, n_kv_head=2, n_embd=128, intermediate=352),  # ~0.8M: a CPU
+    "llama-mini": LlamaShape(n_layer=6, n_head=6, n_kv_head=2, n_embd=192, intermediate=512),  # ~2.4M
+    "llama-small": LlamaShape(n_layer=8, n_head=8, n_kv_head=4, n_embd=320, intermediate=864),  # ~9.2M
+    "llama-100m": LlamaShape(n_layer=12, n_head=12, n_kv_head=4, n_embd=768, intermediate=2048),  # ~100M
+    "llama-300m": LlamaShape(n_layer=24, n_head=16, n_kv_head=8, n_embd=1024, intermediate=2816),  # ~316M
+    "llama-1b": LlamaShape(
+        n_layer=16, n_head=32, n_kv_head=8, n_embd=2048, intermediate=8192, rope_theta=5e5
+    ),  # ~1.04B (Llama 3.2 1B's body)
 }
 
 
@@ -92,6 +122,112 @@ class GPT(nn.Module):
         return self.head(self.ln_f(x))
 
 
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()  # in float32 under autocast too, as Llama does
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, shape: LlamaShape):
+        super().__init__()
+        if shape.n_embd % shape.n_head or shape.n_head % shape.n_kv_head:
+            raise ValueError(f"{shape}: n_embd must divide by n_head, n_head by n_kv_head")
+        self.n_head, self.n_kv_head = shape.n_head, shape.n_kv_head
+        self.head_dim = shape.n_embd // shape.n_head
+        self.q_proj = nn.Linear(shape.n_embd, shape.n_head * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(shape.n_embd, shape.n_kv_head * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(shape.n_embd, shape.n_kv_head * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(shape.n_head * self.head_dim, shape.n_embd, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_head != self.n_head)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, shape: LlamaShape):
+        super().__init__()
+        self.gate_proj = nn.Linear(shape.n_embd, shape.intermediate, bias=False)
+        self.up_proj = nn.Linear(shape.n_embd, shape.intermediate, bias=False)
+        self.down_proj = nn.Linear(shape.intermediate, shape.n_embd, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # SwiGLU
+
+
+class LlamaLayer(nn.Module):
+    def __init__(self, shape: LlamaShape):
+        super().__init__()
+        self.input_layernorm = RMSNorm(shape.n_embd, shape.rms_norm_eps)
+        self.self_attn = LlamaAttention(shape)
+        self.post_attention_layernorm = RMSNorm(shape.n_embd, shape.rms_norm_eps)
+        self.mlp = LlamaMLP(shape)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaBody(nn.Module):
+    """``LlamaForCausalLM.model``: the same submodule names, so that state dicts match key for key."""
+
+    def __init__(self, shape: LlamaShape, vocab_size: int):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(vocab_size, shape.n_embd)
+        self.layers = nn.ModuleList(LlamaLayer(shape) for _ in range(shape.n_layer))
+        self.norm = RMSNorm(shape.n_embd, shape.rms_norm_eps)
+
+
+class Llama(nn.Module):
+    """A Llama-shaped decoder: pre-RMSNorm, rotary position embeddings, SwiGLU, no biases."""
+
+    inv_freq: torch.Tensor
+
+    def __init__(self, shape: LlamaShape, context_length: int, vocab_size: int = VOCAB_SIZE):
+        super().__init__()
+        self.shape, self.context_length, self.vocab_size = shape, context_length, vocab_size
+        self.model = LlamaBody(shape, vocab_size)
+        self.lm_head = nn.Linear(shape.n_embd, vocab_size, bias=False)
+        if shape.tie_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        head_dim = shape.n_embd // shape.n_head
+        inv_freq = 1.0 / shape.rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        for name, module in self.named_modules():
+            if isinstance(module, nn.Linear | nn.Embedding):
+                # LlamaConfig.initializer_range, and GPT-2's smaller init of the projections into the residual.
+                residual = name.endswith(("o_proj", "down_proj"))
+                nn.init.normal_(module.weight, std=0.02 / math.sqrt(2 * shape.n_layer) if residual else 0.02)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """idx: (B, T) int64 token ids -> logits (B, T, vocab_size)."""
+        T = idx.shape[1]
+        freqs = torch.outer(torch.arange(T, device=idx.device, dtype=torch.float32), self.inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        x = self.model.embed_tokens(idx)
+        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin)
+        return self.lm_head(self.model.norm(x))
+
+
 # Initialization draws from torch's global generator: two threads building models at once (peers of an
 # in-process test swarm) would interleave their draws and get different "deterministic" weights.
 _BUILD_LOCK = threading.Lock()
@@ -99,13 +235,18 @@ _BUILD_LOCK = threading.Lock()
 
 def build_model(
     name: str, context_length: int, dropout: float = 0.0, seed: int = 0, vocab_size: int = VOCAB_SIZE
-) -> GPT:
+) -> GPT | Llama:
     """Build a zoo model with deterministic initial weights (same seed, same weights on every peer)."""
     if name not in ZOO:
         raise ValueError(f"unknown model {name!r}; the zoo has {', '.join(ZOO)}")
+    shape = ZOO[name]
     with _BUILD_LOCK, torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return GPT(ZOO[name], context_length, dropout, vocab_size)
+        if isinstance(shape, LlamaShape):
+            if dropout:
+                raise ValueError(f"model.dropout: {name} has no dropout (Llama trains without); set 0")
+            return Llama(shape, context_length, vocab_size)
+        return GPT(shape, context_length, dropout, vocab_size)
 
 
 def num_params(model: nn.Module) -> int:

@@ -11,6 +11,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from p2ptrain import checkpoint
 from p2ptrain.diloco import DiLoCo
@@ -71,9 +72,12 @@ def test_three_peers_train_every_round_together(tmp_path):
         assert p.trainer.last_group_size == 3
 
 
-def test_peers_train_on_a_prepared_bpe_corpus_read_from_disk(tmp_path):
+def test_a_llama_trains_on_a_prepared_bpe_corpus_and_transformers_generates_with_it(tmp_path):
+    import transformers
+
     from p2ptrain.config import DataConfig
     from p2ptrain.data import corpus_digest, load_corpus
+    from p2ptrain.export import export
     from p2ptrain.prepare import prepare
 
     text = tmp_path / "corpus.txt"
@@ -81,7 +85,10 @@ def test_peers_train_on_a_prepared_bpe_corpus_read_from_disk(tmp_path):
     manifest = prepare([str(text)], tmp_path / "prepared", tokenizer="bpe", vocab_size=320)
     data = {"source": "prepared", "path": str(tmp_path / "prepared")}
     # Tokens carry more than bytes: a few more steps than the tiny config's for the loss to fall as far.
-    peers = start(MemorySwarm(), tmp_path, ["a", "b"], data=data, inner={"num_inner_steps": 10, "lr": 0.006})
+    inner = {"num_inner_steps": 10, "lr": 0.006}
+    peers = start(
+        MemorySwarm(), tmp_path, ["a", "b", "c"], data=data, model={"name": "llama-nano"}, inner=inner
+    )
     finish(peers)
     for p in peers.values():
         assert p.result is not None and p.result.outcome == Outcome.FINAL, p.result
@@ -89,8 +96,21 @@ def test_peers_train_on_a_prepared_bpe_corpus_read_from_disk(tmp_path):
     loaded, final = evaluator.file(tmp_path / "a" / "final.safetensors")
     initial = evaluator.initial(loaded.config)
     assert final["val_loss"] < initial["val_loss"] - 0.5, (initial, final)
-    assert loaded.params["tok_emb.weight"].shape[0] == manifest.vocab_size
+    assert loaded.params["model.embed_tokens.weight"].shape[0] == manifest.vocab_size
     assert corpus_digest(loaded.config.data) == manifest.sha256
+
+    export(tmp_path / "a" / "final.safetensors", tmp_path / "hf")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf", local_files_only=True)
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", local_files_only=True)
+    prompt = tokenizer("The ", return_tensors="pt").input_ids
+    out = model.generate(prompt, max_new_tokens=12, do_sample=False, pad_token_id=manifest.end_of_text)
+    assert out.shape[1] > prompt.shape[1] and isinstance(tokenizer.decode(out[0]), str)
+    # The trained params, as transformers computes them, give the validation text p2ptrain's logits.
+    ours = build_model("llama-nano", loaded.config.model.context_length, vocab_size=manifest.vocab_size)
+    checkpoint.load_into(ours, loaded)
+    x, _ = next(evaluator.corpus(loaded.config).val_batches(4, 1))
+    with torch.no_grad():
+        assert torch.allclose(model.eval()(x).logits, ours.eval()(x), atol=1e-4)
 
 
 def test_overlapped_rounds_train_the_next_round_while_the_last_is_averaged(tmp_path):
