@@ -28,6 +28,7 @@ from p2ptrain.config import (
     read_yaml,
     reference_markdown,
 )
+from p2ptrain.prepare import DEFAULT_SHARD_TOKENS
 
 app = typer.Typer(
     add_completion=False,
@@ -280,7 +281,7 @@ def join(
             typer.echo("Joined the swarm. Others can also join through this peer:")
         # Complete as printed: the experiment comes from the swarm; what only the joiner has, it must give.
         extra = f" --key-file {cfg.swarm.key_file}" if cfg.swarm.key_file else ""
-        if cfg.data.source == "text" and cfg.data.path is not None:
+        if cfg.data.source in ("text", "prepared") and cfg.data.path is not None:
             extra += f" --set data.path=<your copy of {cfg.data.path.name}>"
         for maddr in maddrs:
             typer.echo(f"  p2ptrain join --initial-peers {maddr}{extra}")
@@ -569,7 +570,7 @@ def data_prepare(
     ] = "byte",
     vocab_size: Annotated[int, typer.Option(help="Ids of the BPE trained with --tokenizer bpe.")] = 8192,
     text_field: Annotated[str, typer.Option(help="The field of a .jsonl line that holds its text.")] = "text",
-    shard_tokens: Annotated[int, typer.Option(help="Tokens per shard file.")] = 1 << 27,
+    shard_tokens: Annotated[int, typer.Option(help="Tokens per shard file.")] = DEFAULT_SHARD_TOKENS,
 ) -> None:
     """Tokenize SOURCE... into --out: a manifest and memory-mapped token shards that `data.source: prepared`
     trains on (docs/data.md)."""

@@ -23,7 +23,7 @@ import hashlib
 import json
 import os
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -222,7 +222,6 @@ class Manifest:
     sha256: str
     """Of the tokenizer (its JSON, or 'byte') and the tokens' bytes, in order: the data's identity."""
     tokenizer_sha256: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def read(cls, folder: Path) -> Manifest:
@@ -259,14 +258,6 @@ class Manifest:
         os.replace(tmp, folder / MANIFEST)
 
 
-def load_tokenizer(folder: Path, manifest: Manifest) -> Tokenizer:
-    return (
-        Tokenizer.byte_level()
-        if manifest.tokenizer == "byte"
-        else Tokenizer.from_file(folder / TOKENIZER_FILE)
-    )
-
-
 # ------------------------------------------------------------------------------------------ preparing
 
 
@@ -288,7 +279,7 @@ def prepare(
     elif tokenizer == "bpe":
         if not 257 <= vocab_size <= 1 << 20:
             raise PrepareError(f"vocab size {vocab_size}: give 257 to 1048576")
-        tok = Tokenizer.train_bpe(_texts(sources, text_field), vocab_size)
+        tok = Tokenizer.train_bpe((text for text, _ in _texts(sources, text_field)), vocab_size)
     elif Path(tokenizer).is_file():
         tok = Tokenizer.from_file(Path(tokenizer))
     else:
@@ -309,11 +300,11 @@ def prepare(
     writer = _ShardWriter(out, dtype, shard_tokens, identity)
     count = 0
     for batch in _batches(sources, text_field, progress):
-        for ids in tok.encode_batch(batch.texts):
+        for ids, (_, ends_document) in zip(tok.encode_batch([text for text, _ in batch]), batch):
             writer.write(ids)
-        for _ in range(batch.ends):
-            writer.write(tok.separator())
-            count += 1
+            if ends_document:
+                writer.write(tok.separator())
+                count += 1
     shards = writer.close()
     manifest = Manifest(
         format=FORMAT,
@@ -336,39 +327,37 @@ def prepare(
     return manifest
 
 
-def _texts(sources: list[Source], text_field: str) -> Iterator[str]:
+def _texts(sources: list[Source], text_field: str) -> Iterator[tuple[str, bool]]:
+    """Every text in order, with whether it ends its document (a separator follows it)."""
     for source in sources:
         for pieces in documents(source, text_field):
-            yield from pieces
-
-
-@dataclass
-class _Batch:
-    texts: list[str]
-    ends: int
-    """Documents that end after this batch's last text (0 or 1: a batch ends at most one document)."""
+            last = None
+            for piece in pieces:
+                if last is not None:
+                    yield last, False
+                last = piece
+            yield last or "", True
 
 
 def _batches(
     sources: list[Source], text_field: str, progress: Callable[[int], None] | None
-) -> Iterator[_Batch]:
-    """Texts in order, in batches of about ``_BATCH_BYTES``; a separator follows each document's last text."""
-    texts: list[str] = []
+) -> Iterator[list[tuple[str, bool]]]:
+    """:func:`_texts` in batches of about ``_BATCH_BYTES``: many short documents (JSONL rows) or a few pieces of
+    a long one, which tokenizers encodes on all cores at once."""
+    batch: list[tuple[str, bool]] = []
     size = 0
-    for source in sources:
-        for pieces in documents(source, text_field):
-            for piece in pieces:
-                texts.append(piece)
-                size += len(piece)
-                if size >= _BATCH_BYTES:
-                    yield _Batch(texts, 0)
-                    if progress:
-                        progress(size)
-                    texts, size = [], 0
-            yield _Batch(texts, 1)
-            if progress and size:
+    for item in _texts(sources, text_field):
+        batch.append(item)
+        size += len(item[0])
+        if size >= _BATCH_BYTES:
+            yield batch
+            if progress:
                 progress(size)
-            texts, size = [], 0
+            batch, size = [], 0
+    if batch:
+        yield batch
+        if progress:
+            progress(size)
 
 
 class _ShardWriter:
