@@ -126,7 +126,7 @@ class Tokens:
             out[rows[inside]] = self.pieces[k][local[inside, None] + offsets]  # one gather, no Python loop
             for row in rows[~inside]:  # a window across two shards: rare
                 s = int(starts_np[row])
-                out[row] = np.concatenate([p.reshape(-1) for p in self.view(s, s + length).pieces])
+                out[row] = np.concatenate(self.view(s, s + length).pieces)
         return torch.from_numpy(out)
 
     def tensor(self) -> torch.Tensor:
