@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 import typing
 
 import pytest
@@ -79,6 +80,13 @@ def swarm_of():
             made.append(boards[-1])
         for board in boards:
             board.publish()
+        # As a trainer's barrier does before it averages: every peer holds every other's record, so that no
+        # averager meets a groupmate it has not heard of yet (and refuses it, as it refuses a stranger).
+        everyone = {board.peer_id for board in boards}
+        deadline = time.monotonic() + 60
+        while not all(everyone <= set(board.records()) for board in boards):
+            assert time.monotonic() < deadline, "the boards did not meet within 60 s"
+            time.sleep(0.05)
         dhts = [board.dht for board in boards]
         cfg = {
             "matchmaking_time_s": 2.0,
