@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet torch==$(TORCH_VERSION)
-	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/pip install --quiet -e '.[dev,digits,parquet]'
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -53,6 +53,7 @@ bench: $(STAMP)
 	$(BIN)/python -m bench.link
 	$(BIN)/python -m bench.overlap
 	$(BIN)/python -m bench.data
+	$(BIN)/python -m bench.kinds
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -281,7 +281,7 @@ def join(
             typer.echo("Joined the swarm. Others can also join through this peer:")
         # Complete as printed: the experiment comes from the swarm; what only the joiner has, it must give.
         extra = f" --key-file {cfg.swarm.key_file}" if cfg.swarm.key_file else ""
-        if cfg.data.source in ("text", "prepared") and cfg.data.path is not None:
+        if cfg.data.source in ("text", "prepared", "idx", "images") and cfg.data.path is not None:
             extra += f" --set data.path=<your copy of {cfg.data.path.name}>"
         for maddr in maddrs:
             typer.echo(f"  p2ptrain join --initial-peers {maddr}{extra}")
@@ -494,7 +494,8 @@ def eval_(
         typer.Option(help="Write a PNG of validation loss against round, one line per peer."),
     ] = None,
 ) -> None:
-    """Report validation loss, perplexity and next-byte accuracy of model files."""
+    """Report validation loss, perplexity and next-token accuracy of model files; for an image classifier,
+    validation loss and accuracy and test accuracy."""
     from p2ptrain.checkpoint import CheckpointError
     from p2ptrain.evaluation import Evaluator
 
@@ -511,6 +512,12 @@ def eval_(
         series.setdefault(peer, []).append((loaded.round, metrics["val_loss"]))
         if as_json:
             typer.echo(json.dumps(result))
+        elif "test_accuracy" in metrics:
+            typer.echo(
+                f"{path}: round {loaded.round}, val_loss {metrics['val_loss']:.4f}, val accuracy "
+                f"{metrics['accuracy']:.3f} ({metrics['images']} images), test accuracy "
+                f"{metrics['test_accuracy']:.4f} ({metrics['test_images']} images)"
+            )
         else:
             typer.echo(
                 f"{path}: round {loaded.round}, val_loss {metrics['val_loss']:.4f}, "
@@ -558,7 +565,9 @@ def data_prepare(
     sources: Annotated[
         list[str],
         typer.Argument(
-            metavar="SOURCE...", help="Text files, folders, globs ('corpus/**/*.txt') or .jsonl files."
+            metavar="SOURCE...",
+            help="Text files, folders, globs ('corpus/**/*.txt'), .jsonl or .parquet files, or Hugging Face datasets "
+            "saved on disk (their folders).",
         ),
     ],
     out: Annotated[Path, typer.Option(help="The folder to write (its manifest and shards are replaced).")],
@@ -569,7 +578,13 @@ def data_prepare(
         ),
     ] = "byte",
     vocab_size: Annotated[int, typer.Option(help="Ids of the BPE trained with --tokenizer bpe.")] = 8192,
-    text_field: Annotated[str, typer.Option(help="The field of a .jsonl line that holds its text.")] = "text",
+    text_field: Annotated[
+        str,
+        typer.Option(
+            help="The field of a .jsonl line, or the column of a .parquet file or dataset, with the text."
+        ),
+    ] = "text",
+    split: Annotated[str, typer.Option(help="The split of a saved Hugging Face DatasetDict.")] = "train",
     shard_tokens: Annotated[int, typer.Option(help="Tokens per shard file.")] = DEFAULT_SHARD_TOKENS,
 ) -> None:
     """Tokenize SOURCE... into --out: a manifest and memory-mapped token shards that `data.source: prepared`
@@ -579,7 +594,7 @@ def data_prepare(
     from p2ptrain.prepare import PrepareError, expand_sources, prepare
 
     try:
-        total = sum(s.path.stat().st_size for s in expand_sources(sources))
+        total = sum(s.size() for s in expand_sources(sources, split))
         columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn())
         with Progress(*columns, transient=True, disable=not sys.stderr.isatty()) as bar:
             task = bar.add_task(
@@ -591,6 +606,7 @@ def data_prepare(
                 tokenizer=tokenizer,
                 vocab_size=vocab_size,
                 text_field=text_field,
+                split=split,
                 shard_tokens=shard_tokens,
                 progress=lambda n: bar.advance(task, n),
             )

@@ -73,28 +73,35 @@ class ModelConfig(_Section):
         "llama-100m",
         "llama-300m",
         "llama-1b",
+        "cnn-tiny",
+        "cnn-small",
+        "cnn-medium",
     ] = "gpt-micro"
-    """Model from the zoo (p2ptrain/models.py): GPTs (nanoGPT's shape) from 0.1M to 10M parameters, or
+    """Model from the zoo (p2ptrain/models.py): GPTs (nanoGPT's shape) from 0.1M to 10M parameters,
     Llama-shaped decoders (RMSNorm, rotary embeddings, SwiGLU) from 0.1M to 1B, which `p2ptrain export` writes
-    as a folder that Hugging Face transformers opens. The vocabulary follows the data (256 bytes, or a BPE's)."""
+    as a folder that Hugging Face transformers opens, or small CNNs (cnn-*) for image data. The vocabulary
+    follows the data (256 bytes, or a BPE's), as do a CNN's classes, channels and image size."""
     context_length: int = Field(default=64, ge=8, le=8192)
-    """Tokens per training sequence."""
+    """Tokens per training sequence (language models; a CNN takes whole images)."""
     dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
-    """Dropout probability inside the transformer blocks."""
+    """Dropout probability inside the transformer blocks (a CNN's: before its classifier)."""
 
 
 class DataConfig(_Section):
-    source: Literal["pydoc", "text", "prepared"] = "pydoc"
-    """'pydoc': the documentation topics that ship with every Python (offline, ~0.47 MB, one token per byte).
-    'text': a UTF-8 text file of your own, given in data.path, read into memory (one token per byte).
+    source: Literal["pydoc", "text", "prepared", "digits", "idx", "images"] = "pydoc"
+    """Text: 'pydoc': the documentation topics that ship with every Python (offline, ~0.47 MB, one token per
+    byte). 'text': a UTF-8 text file of your own, given in data.path, read into memory (one token per byte).
     'prepared': a folder that `p2ptrain data prepare` wrote, given in data.path: token shards (bytes or a BPE)
-    read from disk window by window, for corpora of any size (docs/data.md)."""
+    read from disk window by window, for corpora of any size.
+    Images (for cnn-* models): 'digits': the 1,797 8x8 digits that ship with scikit-learn (offline).
+    'idx': a folder with MNIST's IDX files (train-images-idx3-ubyte, ..., gzipped or not). 'images': a folder
+    of images, one subfolder per class (or train/ and test/ with class subfolders). docs/data.md."""
     path: Path | None = None
-    """The text file for source 'text'; the prepared folder for source 'prepared'."""
+    """The text file for source 'text'; the folder for sources 'prepared', 'idx' and 'images'."""
     val_fraction: float = Field(default=0.05, gt=0.0, lt=0.5)
-    """Fraction of the corpus (its end) held out for validation."""
+    """Fraction of the corpus (its end), or of the training images, held out for validation."""
     eval_batches: int = Field(default=20, ge=1)
-    """Validation batches (of inner.batch_size sequences) used to compute the validation loss."""
+    """Validation batches (of inner.batch_size sequences or images) used to compute the validation loss."""
     eval_by: Literal["one", "all"] = "one"
     """Who computes the validation loss after an outer step. 'one': one peer of each averaging group, in turn
     by round (the group's peers hold the same params, so one evaluation is enough, and the others go on
@@ -121,9 +128,18 @@ class DataConfig(_Section):
                 Manifest.read(self.path)
             except ValueError as e:
                 raise ValueError(f"data.path: {e}") from None
+        elif self.source in ("idx", "images"):
+            if self.path is None:
+                raise ValueError(f"data.path is required when data.source is {self.source!r}: the folder")
+            if not self.path.is_dir():
+                raise ValueError(f"data.path: {self.path} is not a folder")
         elif self.path is not None:
-            raise ValueError("data.path is only used with data.source 'text' or 'prepared'")
+            raise ValueError("data.path is only used with data.source 'text', 'prepared', 'idx' or 'images'")
         return self
+
+    @property
+    def is_images(self) -> bool:
+        return self.source in ("digits", "idx", "images")
 
 
 class InnerConfig(_Section):
@@ -490,6 +506,20 @@ class ExperimentConfig(BaseSettings):
     """Logging."""
     metrics: MetricsConfig = MetricsConfig()
     """Prometheus metrics (docs/deploy.md#monitoring)."""
+
+    @model_validator(mode="after")
+    def _check_model_fits_data(self) -> ExperimentConfig:
+        if self.model.name.startswith("cnn-") != self.data.is_images:
+            if self.data.is_images:
+                raise ValueError(
+                    f"model.name: {self.model.name} models text; data.source {self.data.source!r} is images: "
+                    "give a cnn-* model (cnn-tiny, cnn-small, cnn-medium)"
+                )
+            raise ValueError(
+                f"model.name: {self.model.name} classifies images; data.source {self.data.source!r} is text: "
+                "give data.source digits, idx or images"
+            )
+        return self
 
     @model_validator(mode="after")
     def _check_corpus_size(self) -> ExperimentConfig:

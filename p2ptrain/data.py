@@ -1,4 +1,4 @@
-"""Corpora of tokens and each peer's shard of them.
+"""Corpora of tokens and each peer's shard of them (labelled images, the other kind of data: ``images.py``).
 
 A corpus is Python's documentation or a text file, read into memory as bytes (one token per byte), or a
 folder that ``p2ptrain data prepare`` wrote (``prepare.py``): token shards on disk, read through a memory map
@@ -7,8 +7,8 @@ window by window, so that a corpus larger than RAM trains with flat memory.
 The corpus is split once, deterministically: the last ``val_fraction`` of its tokens is validation.
 Training windows start at multiples of the context length (plus a per-round offset, so that the
 model sees every alignment over time). Each round, every peer computes the same seeded permutation
-of those windows and takes the slice of its rank in the round's roster of peers: no two peers of
-a round train on the same window, and nobody has to send anybody an index.
+of those windows and takes the slice of its rank in the round's roster of peers (``shards.py``): no two
+peers of a round train on the same window, and nobody has to send anybody an index.
 """
 
 from __future__ import annotations
@@ -18,12 +18,16 @@ import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
 
 from p2ptrain.prepare import Manifest
+from p2ptrain.shards import generator, shard_windows
+
+if TYPE_CHECKING:
+    from p2ptrain.images import ImageSet
 
 
 class DataSource(Protocol):
@@ -35,8 +39,17 @@ class DataSource(Protocol):
     def path(self) -> Path | None: ...
 
 
-def open_corpus(cfg: DataSource, context_length: int, val_fraction: float) -> Corpus:
-    """The configured corpus, split for training (``data.source``: pydoc, text or prepared)."""
+IMAGE_SOURCES = ("digits", "idx", "images")
+
+
+def open_corpus(cfg: DataSource, context_length: int, val_fraction: float) -> Corpus | ImageSet:
+    """The configured data, split for training: a corpus of tokens (``data.source``: pydoc, text or prepared)
+    or a set of labelled images (digits, idx or images). Both answer the trainer alike (``shard``, ``batches``,
+    ``val_batches``, ``model_args``)."""
+    if cfg.source in IMAGE_SOURCES:
+        from p2ptrain.images import open_images  # torch and numpy only until then: PIL, scikit-learn
+
+        return open_images(cfg.source, cfg.path, val_fraction)
     if cfg.source == "prepared":
         assert cfg.path is not None  # enforced by DataConfig
         return Corpus.from_prepared(Path(cfg.path), context_length, val_fraction)
@@ -45,8 +58,8 @@ def open_corpus(cfg: DataSource, context_length: int, val_fraction: float) -> Co
 
 def load_corpus(cfg: DataSource) -> bytes:
     """The corpus as bytes: Python's own documentation topics, or the user's text file."""
-    if cfg.source == "prepared":
-        raise ValueError("data.source 'prepared' is read by open_corpus, window by window")
+    if cfg.source == "prepared" or cfg.source in IMAGE_SOURCES:
+        raise ValueError(f"data.source {cfg.source!r} is read by open_corpus")
     if cfg.source == "pydoc":
         return _pydoc_bytes()
     assert cfg.path is not None  # enforced by DataConfig
@@ -67,6 +80,10 @@ def corpus_digest(cfg: DataSource) -> str:
     whatever path each gave; a file that changes under the same path gets a new digest."""
     if cfg.source == "pydoc":
         return _pydoc_digest()
+    if cfg.source in IMAGE_SOURCES:
+        from p2ptrain.images import images_digest
+
+        return images_digest(cfg.source, cfg.path)
     assert cfg.path is not None  # enforced by DataConfig
     if cfg.source == "prepared":  # hashed when prepared: the tokenizer and every token
         return Manifest.read(Path(cfg.path)).sha256
@@ -171,6 +188,15 @@ class Corpus:
             vocab_size=vocab_size,
         )
 
+    def model_args(self) -> dict:
+        """What the model's shape follows from the data (``models.build_model``): the vocabulary."""
+        return {"vocab_size": self.vocab_size}
+
+    def example_batch(self, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One training batch of the first windows (for the device benchmark)."""
+        starts = torch.arange(batch_size) % self.num_train_windows() * self.context_length
+        return next(self.batches(starts, batch_size))
+
     def num_train_windows(self) -> int:
         # Windows are context_length + 1 tokens (inputs and the next-token targets); the offset can add up to
         # context_length - 1, hence the -1 window.
@@ -179,7 +205,7 @@ class Corpus:
     def shard(self, *, seed: int, round: int, rank: int, world: int) -> torch.Tensor:
         """Window start offsets of this peer's shard for one round (see :func:`shard_windows`)."""
         windows = shard_windows(self.num_train_windows(), seed=seed, round=round, rank=rank, world=world)
-        offset = int(torch.randint(self.context_length, (1,), generator=_generator(seed, round, 1)))
+        offset = int(torch.randint(self.context_length, (1,), generator=generator(seed, round, 1)))
         return windows * self.context_length + offset
 
     def batches(self, starts: torch.Tensor, batch_size: int):
@@ -199,23 +225,3 @@ class Corpus:
         for i in range(0, len(starts), batch_size):
             rows = self.val.rows(starts[i : i + batch_size], T + 1)
             yield rows[:, :-1], rows[:, 1:]
-
-
-def _generator(seed: int, round: int, stream: int) -> torch.Generator:
-    return torch.Generator().manual_seed((seed * 1_000_003 + round) * 7 + stream)
-
-
-def shard_windows(num_windows: int, *, seed: int, round: int, rank: int, world: int) -> torch.Tensor:
-    """Indices of the windows that peer ``rank`` of ``world`` trains on in ``round``.
-
-    Every peer computes the same permutation from (seed, round) and takes its contiguous slice, so the
-    slices of one round are disjoint and together cover all windows. Deterministic: same arguments,
-    same shard.
-    """
-    if not 0 <= rank < world:
-        raise ValueError(f"rank {rank} is outside a world of {world}")
-    if num_windows < world:
-        raise ValueError(f"{num_windows} windows cannot be shared among {world} peers")
-    order = torch.randperm(num_windows, generator=_generator(seed, round, 0))
-    bounds = [num_windows * r // world for r in range(world + 1)]
-    return order[bounds[rank] : bounds[rank + 1]]

@@ -178,6 +178,11 @@ def run_demo(
         "final_val_loss": max(final_losses),
         "final_val_loss_per_peer": final_losses,
         "final_params_sha256": hashes,
+        **(
+            {"final_test_accuracy": min(p["test_accuracy"] for p in per_peer)}
+            if all("test_accuracy" in p for p in per_peer)
+            else {}
+        ),
         "params_identical": identical,
         "samples_total": samples_total,
         "compression": cfg.averaging.compression,
@@ -197,14 +202,22 @@ def _run_timeout_s(cfg: ExperimentConfig) -> float:
 
 
 def _print_summary(summary: dict, per_peer: list[dict]) -> None:
+    images = "final_test_accuracy" in summary  # an image classifier: test accuracy instead of perplexity
     print()
-    print(f"{'peer':<6}{'val loss':>10}{'perplexity':>12}{'accuracy':>10}{'MB sent':>10}  params sha256")
+    third = "test acc" if images else "perplexity"
+    print(f"{'peer':<6}{'val loss':>10}{third:>12}{'accuracy':>10}{'MB sent':>10}  params sha256")
     for i, p in enumerate(per_peer):
         print(
-            f"{i:<6}{p['val_loss']:>10.4f}{p['perplexity']:>12.2f}{p['accuracy']:>10.3f}"
-            f"{p['bytes_sent'] / 1e6:>10.2f}  {p['sha256'][:16]}"
+            f"{i:<6}{p['val_loss']:>10.4f}"
+            + (f"{p['test_accuracy']:>12.4f}" if images else f"{p['perplexity']:>12.2f}")
+            + f"{p['accuracy']:>10.3f}{p['bytes_sent'] / 1e6:>10.2f}  {p['sha256'][:16]}"
         )
     print()
+    if images:
+        print(
+            f"test accuracy {summary['final_test_accuracy']:.4f} (worst peer, "
+            f"{per_peer[0]['test_images']} test images)"
+        )
     print(
         f"validation loss {summary['initial_val_loss']:.4f} -> {summary['final_val_loss']:.4f} "
         f"(worst peer), {summary['samples_total']} samples, {summary['wall_s']}s"

@@ -1,4 +1,5 @@
-"""Validation: loss, perplexity and next-byte accuracy of params on the corpus's held-out end.
+"""Validation: loss, perplexity and next-token accuracy of params on the corpus's held-out end, or loss and
+accuracy on an image set's validation and test images.
 
 Used by the trainer after each round, by ``p2ptrain eval``, by the demo's summary, the benchmarks and the
 tests: one definition of "validation loss" everywhere.
@@ -15,38 +16,56 @@ import torch.nn.functional as F
 from p2ptrain import checkpoint
 from p2ptrain.config import ExperimentConfig
 from p2ptrain.data import Corpus, open_corpus
+from p2ptrain.images import ImageSet
 from p2ptrain.models import build_model
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, corpus: Corpus, cfg: ExperimentConfig, device: torch.device) -> dict:
-    """Validation loss, perplexity and next-token accuracy over ``data.eval_batches`` fixed batches."""
+def evaluate(
+    model: torch.nn.Module, corpus: Corpus | ImageSet, cfg: ExperimentConfig, device: torch.device
+) -> dict:
+    """Validation loss, perplexity and accuracy (of the next token, or of the class) over
+    ``data.eval_batches`` fixed batches; for an image set, also over every test image (``test_loss``,
+    ``test_accuracy``, ``test_images``)."""
+    metrics = _metrics(model, corpus.val_batches(cfg.inner.batch_size, cfg.data.eval_batches), device)
+    val = {
+        "val_loss": metrics["loss"],
+        "perplexity": math.exp(metrics["loss"]),
+        "accuracy": metrics["accuracy"],
+    }
+    if isinstance(corpus, ImageSet):
+        test = _metrics(model, corpus.test_batches(cfg.inner.batch_size), device)
+        return {
+            **val,
+            "images": metrics["count"],
+            "test_loss": test["loss"],
+            "test_accuracy": test["accuracy"],
+            "test_images": test["count"],
+        }
+    return {**val, "tokens": metrics["count"]}
+
+
+def _metrics(model: torch.nn.Module, batches, device: torch.device) -> dict:
     was_training = model.training
     model.eval()
     loss_sum, correct, count = 0.0, 0, 0
-    for x, y in corpus.val_batches(cfg.inner.batch_size, cfg.data.eval_batches):
+    for x, y in batches:
         x, y = x.to(device), y.to(device)
         logits = model(x).float()
         loss_sum += float(F.cross_entropy(logits.view(-1, logits.size(-1)), y.reshape(-1), reduction="sum"))
         correct += int((logits.argmax(-1) == y).sum())
         count += y.numel()
     model.train(was_training)
-    val_loss = loss_sum / count
-    return {
-        "val_loss": val_loss,
-        "perplexity": math.exp(val_loss),
-        "accuracy": correct / count,
-        "tokens": count,
-    }
+    return {"loss": loss_sum / count, "accuracy": correct / count, "count": count}
 
 
 class Evaluator:
     """Evaluates model files and initial models, loading each distinct corpus once."""
 
     def __init__(self) -> None:
-        self._corpora: dict[str, Corpus] = {}
+        self._corpora: dict[str, Corpus | ImageSet] = {}
 
-    def corpus(self, cfg: ExperimentConfig) -> Corpus:
+    def corpus(self, cfg: ExperimentConfig) -> Corpus | ImageSet:
         key = cfg.data.model_dump_json() + str(cfg.model.context_length)
         if key not in self._corpora:
             self._corpora[key] = open_corpus(cfg.data, cfg.model.context_length, cfg.data.val_fraction)
@@ -56,7 +75,7 @@ class Evaluator:
         """Metrics of the run's initial model (what every peer starts from)."""
         corpus = self.corpus(cfg)
         model = build_model(
-            cfg.model.name, cfg.model.context_length, seed=cfg.run.seed, vocab_size=corpus.vocab_size
+            cfg.model.name, cfg.model.context_length, seed=cfg.run.seed, **corpus.model_args()
         )
         return evaluate(model, corpus, cfg, torch.device("cpu"))
 
@@ -68,7 +87,7 @@ class Evaluator:
         """
         cfg = loaded.config
         corpus = self.corpus(cfg)
-        model = build_model(cfg.model.name, cfg.model.context_length, vocab_size=corpus.vocab_size)
+        model = build_model(cfg.model.name, cfg.model.context_length, **corpus.model_args())
         checkpoint.load_into(model, loaded, path)
         return evaluate(model, corpus, cfg, torch.device("cpu"))
 

@@ -258,12 +258,14 @@ def config_for(experiment: Experiment, overrides: dict[str, Any] | None = None) 
     data = base["data"]
     data.pop("sha256", None)
     overrides = overrides or {}
-    if data.get("source") in ("text", "prepared") and not (overrides.get("data") or {}).get("path"):
-        what, flag = (
-            ("a text file", "FILE")
-            if data["source"] == "text"
-            else ("a prepared corpus", "DIR (`p2ptrain data prepare`)")
-        )
+    wanted = {
+        "text": ("a text file", "FILE"),
+        "prepared": ("a prepared corpus", "DIR (`p2ptrain data prepare`)"),
+        "idx": ("MNIST's IDX files", "DIR"),
+        "images": ("a folder of images", "DIR"),
+    }
+    if data.get("source") in wanted and not (overrides.get("data") or {}).get("path"):
+        what, flag = wanted[data["source"]]
         raise ConfigError(
             f"the swarm's experiment {experiment.run_id} trains on {what} (sha256 "
             f"{experiment.sections['data'].get('sha256', '?')[:12]}): give your copy of it with "

@@ -100,23 +100,21 @@ def benchmark_device(
     model: nn.Module,
     cfg: InnerConfig,
     *,
-    context_length: int,
+    batch: tuple[torch.Tensor, torch.Tensor],
     steps: int,
     autocast_dtype: torch.dtype = torch.float32,
 ) -> tuple[float, float]:
-    """This device's speed at ``model``'s inner steps: (samples/s, FLOP/s), the latter estimated as 6 x params x
-    tokens per second (forward and backward of a transformer, attention left out). Times ``steps`` steps of a
-    copy of the model on random tokens, after one untimed step: the model, its optimizer and the random number
-    generators that training draws from are untouched."""
+    """This device's speed at ``model``'s inner steps: (samples/s, FLOP/s), the latter from
+    ``models.flops_per_sample``. Times ``steps`` steps of a copy of the model on ``batch`` (inputs and
+    targets of one training batch, ``data.example_batch``), after one untimed step: the model, its optimizer
+    and the random number generators that training draws from are untouched."""
+    from p2ptrain.models import flops_per_sample  # models.py is torch only; kept out of the import graph here
+
     probe = copy.deepcopy(model)
     params = [p for p in probe.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr)
     device = next(probe.parameters()).device
-    vocab = next((m.num_embeddings for m in probe.modules() if isinstance(m, nn.Embedding)), 256)
-    tokens = torch.randint(
-        vocab, (cfg.batch_size, context_length + 1), generator=torch.Generator().manual_seed(0)
-    )
-    x, y = tokens[:, :-1].to(device), tokens[:, 1:].to(device)
+    x, y = batch[0].to(device), batch[1].to(device)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # dropout draws from it
         started = 0.0
         for i in range(steps + 1):
@@ -135,8 +133,8 @@ def benchmark_device(
             )
         _synchronize(device)
     seconds = max(time.perf_counter() - started, 1e-9)
-    samples_per_s = steps * cfg.batch_size / seconds
-    return samples_per_s, 6.0 * sum(p.numel() for p in params) * samples_per_s * context_length
+    samples_per_s = steps * len(x) / seconds
+    return samples_per_s, flops_per_sample(probe) * samples_per_s
 
 
 def _synchronize(device: torch.device) -> None:

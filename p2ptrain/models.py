@@ -1,5 +1,5 @@
-"""The model zoo: GPTs (nanoGPT's shape) that train on a CPU in minutes, and Llama-shaped decoders (RMSNorm,
-rotary embeddings, SwiGLU) from CPU-sized to 1B parameters.
+"""The model zoo: GPTs (nanoGPT's shape) that train on a CPU in minutes, Llama-shaped decoders (RMSNorm,
+rotary embeddings, SwiGLU) from CPU-sized to 1B parameters, and small CNNs that classify images.
 
 Vocabulary: the 256 byte values by default, so any UTF-8 text works without a tokenizer file; a prepared
 corpus with a BPE (``prepare.py``) sets its own size.
@@ -30,6 +30,14 @@ class GPTShape:
 
 
 @dataclass(frozen=True)
+class CNNShape:
+    channels: tuple[int, int]
+    """Channels of the two convolution stages (each: two 3x3 convolutions, then a 2x2 max-pool)."""
+    hidden: int
+    """Width of the classifier's hidden layer."""
+
+
+@dataclass(frozen=True)
 class LlamaShape:
     n_layer: int
     n_head: int
@@ -43,7 +51,7 @@ class LlamaShape:
     tie_embeddings: bool = True
 
 
-ZOO: dict[str, GPTShape | LlamaShape] = {
+ZOO: dict[str, GPTShape | LlamaShape | CNNShape] = {
     "gpt-nano": GPTShape(n_layer=2, n_head=2, n_embd=64),  # ~0.1M params: tests
     "gpt-micro": GPTShape(n_layer=4, n_head=4, n_embd=128),  # ~0.8M params: the demo
     "gpt-mini": GPTShape(n_layer=6, n_head=6, n_embd=192),  # ~2.7M params
@@ -58,7 +66,13 @@ ZOO: dict[str, GPTShape | LlamaShape] = {
     "llama-1b": LlamaShape(
         n_layer=16, n_head=32, n_kv_head=8, n_embd=2048, intermediate=8192, rope_theta=5e5
     ),  # ~1.04B (Llama 3.2 1B's body)
+    # Image classifiers; params for 8x8 grey digits / 28x28 MNIST.
+    "cnn-tiny": CNNShape(channels=(8, 16), hidden=32),  # 6.6k / 30k: tests
+    "cnn-small": CNNShape(channels=(32, 64), hidden=128),  # 0.1M / 0.47M: digits, MNIST
+    "cnn-medium": CNNShape(channels=(64, 128), hidden=256),  # 0.39M / 1.9M (2.4M at 32x32 RGB)
 }
+
+IMAGE_MODELS = tuple(name for name, shape in ZOO.items() if isinstance(shape, CNNShape))
 
 
 class Block(nn.Module):
@@ -228,20 +242,96 @@ class Llama(nn.Module):
         return self.lm_head(self.model.norm(x))
 
 
+class CNN(nn.Module):
+    """A small VGG-style image classifier: two stages of (3x3 conv, ReLU, 3x3 conv, ReLU, 2x2 max-pool), then
+    a hidden layer. No batch norm: its running statistics are buffers, which DiLoCo does not average, so every
+    peer's would drift apart from the shared weights."""
+
+    def __init__(
+        self, shape: CNNShape, num_classes: int, channels: int, image_size: tuple[int, int], dropout: float
+    ):
+        super().__init__()
+        height, width = image_size
+        if height < 4 or width < 4:
+            raise ValueError(f"images of {height}x{width} pixels are too small for {shape} (4x4 at least)")
+        c1, c2 = shape.channels
+        self.image_size, self.channels = (height, width), channels
+        self.features = nn.Sequential(
+            nn.Conv2d(channels, c1, 3, padding=1),
+            nn.ReLU(),
+            nn.Conv2d(c1, c1, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(c1, c2, 3, padding=1),
+            nn.ReLU(),
+            nn.Conv2d(c2, c2, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+        )
+        self.classifier = nn.Sequential(
+            nn.Flatten(),
+            nn.Dropout(dropout),
+            nn.Linear(c2 * (height // 4) * (width // 4), shape.hidden),
+            nn.ReLU(),
+            nn.Linear(shape.hidden, num_classes),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (B, channels, H, W) float images, normalized -> logits (B, num_classes)."""
+        return self.classifier(self.features(x))
+
+    def flops_per_sample(self) -> float:
+        """Forward and backward: 6 FLOPs per multiply-add of each weight at each place it is applied."""
+        height, width = self.image_size
+        total = 0.0
+        for layer in self.features:
+            if isinstance(layer, nn.Conv2d):
+                total += 6.0 * layer.weight.numel() * height * width
+            elif isinstance(layer, nn.MaxPool2d):
+                height, width = height // 2, width // 2
+        return total + 6.0 * sum(m.weight.numel() for m in self.classifier if isinstance(m, nn.Linear))
+
+
+def flops_per_sample(model: nn.Module) -> float:
+    """Training FLOPs per sample: a transformer's 6 x params x tokens (attention left out), or a CNN's count."""
+    if isinstance(model, CNN):
+        return model.flops_per_sample()
+    context_length = int(getattr(model, "context_length", 1))
+    return 6.0 * sum(p.numel() for p in model.parameters() if p.requires_grad) * context_length
+
+
 # Initialization draws from torch's global generator: two threads building models at once (peers of an
 # in-process test swarm) would interleave their draws and get different "deterministic" weights.
 _BUILD_LOCK = threading.Lock()
 
 
 def build_model(
-    name: str, context_length: int, dropout: float = 0.0, seed: int = 0, vocab_size: int = VOCAB_SIZE
-) -> GPT | Llama:
-    """Build a zoo model with deterministic initial weights (same seed, same weights on every peer)."""
+    name: str,
+    context_length: int,
+    dropout: float = 0.0,
+    seed: int = 0,
+    vocab_size: int = VOCAB_SIZE,
+    *,
+    num_classes: int | None = None,
+    channels: int = 1,
+    image_size: tuple[int, int] = (8, 8),
+) -> GPT | Llama | CNN:
+    """Build a zoo model with deterministic initial weights (same seed, same weights on every peer).
+
+    A language model's vocabulary, or an image classifier's classes, channels and image size, follow the data:
+    callers pass ``**data.model_args()``.
+    """
     if name not in ZOO:
         raise ValueError(f"unknown model {name!r}; the zoo has {', '.join(ZOO)}")
     shape = ZOO[name]
     with _BUILD_LOCK, torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
+        if isinstance(shape, CNNShape):
+            if num_classes is None:
+                raise ValueError(f"model {name} classifies images: it needs image data (data.source)")
+            return CNN(shape, num_classes, channels, image_size, dropout)
+        if num_classes is not None:
+            raise ValueError(f"model {name} models text: image data (data.source) needs a cnn-* model")
         if isinstance(shape, LlamaShape):
             if dropout:
                 raise ValueError(f"model.dropout: {name} has no dropout (Llama trains without); set 0")

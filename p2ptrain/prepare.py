@@ -12,8 +12,12 @@ covers the tokenizer and every token in order: it is the data's identity in the 
 agree on their data exactly when they prepared the same tokens, wherever each keeps them.
 
 Sources: text files (read as UTF-8, in 1 MB pieces cut at line ends, so a file larger than RAM prepares too), folders
-(every file under them, by name, hidden ones skipped), globs, and JSONL files (``.jsonl``: one JSON object per
-line, its text in ``--text-field``). Documents are joined by the end-of-text token (BPE) or a newline (bytes).
+(every file under them, by name, hidden ones skipped), globs, JSONL files (``.jsonl``: one JSON object per
+line, its text in ``--text-field``), Parquet files (``.parquet``: a row per document, its text in the column
+``--text-field``) and Hugging Face datasets saved on disk (``Dataset.save_to_disk``: the folder, or one split
+of a saved ``DatasetDict``, ``--split``); Parquet and datasets are read a record batch at a time with
+``pyarrow``, without the ``datasets`` package. Documents are joined by the end-of-text token (BPE) or a
+newline (bytes).
 """
 
 from __future__ import annotations
@@ -48,17 +52,39 @@ class PrepareError(ValueError):
 
 @dataclass(frozen=True)
 class Source:
-    """One file to read documents from."""
+    """One file (or saved dataset) to read documents from."""
 
     path: Path
-    jsonl: bool
+    kind: str
+    """'text', 'jsonl', 'parquet' or 'dataset' (a Hugging Face dataset saved on disk: its folder)."""
+
+    def size(self) -> int:
+        """Bytes on disk (for the progress bar)."""
+        if self.kind == "dataset":
+            return sum(p.stat().st_size for p in _dataset_files(self.path))
+        return self.path.stat().st_size
 
 
-def expand_sources(specs: Iterable[str]) -> list[Source]:
-    """Files, folders (recursively, sorted, hidden files skipped) and globs, in the order given."""
+SUFFIX_KINDS = {".jsonl": "jsonl", ".parquet": "parquet"}
+
+
+def expand_sources(specs: Iterable[str], split: str = "train") -> list[Source]:
+    """Files, folders (recursively, sorted, hidden files skipped), globs and saved Hugging Face datasets (of a
+    ``DatasetDict``, its ``split``), in the order given."""
     found: list[Source] = []
     for spec in specs:
         path = Path(spec)
+        if (path / "state.json").is_file():  # Dataset.save_to_disk
+            found.append(Source(path, "dataset"))
+            continue
+        if (path / "dataset_dict.json").is_file():  # DatasetDict.save_to_disk: one folder per split
+            splits = _dataset_splits(path)
+            if split not in splits:
+                raise PrepareError(
+                    f"source {spec}: a saved DatasetDict without split {split!r} (it has {splits})"
+                )
+            found.append(Source(path / split, "dataset"))
+            continue
         if path.is_dir():
             files = sorted(
                 p
@@ -75,16 +101,20 @@ def expand_sources(specs: Iterable[str]) -> list[Source]:
                 raise PrepareError(f"source {spec}: the pattern matches no file")
         else:
             raise PrepareError(f"source {spec}: no such file or folder")
-        found += [Source(p, jsonl=p.suffix == ".jsonl") for p in files]
+        found += [Source(p, SUFFIX_KINDS.get(p.suffix, "text")) for p in files]
     if not found:
-        raise PrepareError("no sources: give text files, folders, globs or .jsonl files")
+        raise PrepareError(
+            "no sources: give text files, folders, globs, .jsonl or .parquet files, or datasets"
+        )
     return found
 
 
 def documents(source: Source, text_field: str = "text") -> Iterator[Iterable[str]]:
     """A source's documents, each as its pieces: a text file is one document, read lazily in pieces."""
-    if source.jsonl:
+    if source.kind == "jsonl":
         yield from _jsonl_documents(source.path, text_field)
+    elif source.kind in ("parquet", "dataset"):
+        yield from _arrow_documents(source, text_field)
     else:
         yield _text_pieces(source.path)
 
@@ -136,6 +166,75 @@ def _jsonl_documents(path: Path, text_field: str) -> Iterator[Iterable[str]]:
             if not isinstance(text, str):
                 raise PrepareError(f"source {path}:{number}: no string field {text_field!r}")
             yield [text]
+
+
+def _dataset_splits(path: Path) -> list[str]:
+    try:
+        splits = json.loads((path / "dataset_dict.json").read_text())["splits"]
+    except (ValueError, KeyError, TypeError):
+        raise PrepareError(f"source {path}: dataset_dict.json does not list the splits") from None
+    return [str(s) for s in splits]
+
+
+def _dataset_files(path: Path) -> list[Path]:
+    """The Arrow files of a saved Dataset, in order (its state.json lists them)."""
+    try:
+        files = [
+            path / str(f["filename"]) for f in json.loads((path / "state.json").read_text())["_data_files"]
+        ]
+    except (ValueError, KeyError, TypeError):
+        raise PrepareError(f"source {path}: state.json does not list the dataset's data files") from None
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise PrepareError(f"source {path}: the saved dataset lacks {', '.join(missing)}")
+    return files
+
+
+def _arrow_documents(source: Source, text_field: str) -> Iterator[Iterable[str]]:
+    """The rows of a Parquet file or a saved dataset's Arrow files, a record batch at a time (flat memory):
+    each row's ``text_field`` is a document; a null one is skipped (no text)."""
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise PrepareError(
+            f"source {source.path}: Parquet files and saved datasets are read with pyarrow: "
+            "pip install 'p2ptrain[parquet]'"
+        ) from None
+
+    def batches() -> Iterator[tuple[Path, Any]]:
+        if source.kind == "parquet":
+            try:
+                parquet = pq.ParquetFile(source.path)
+            except (pa.ArrowException, OSError) as e:
+                raise PrepareError(f"source {source.path}: not a Parquet file ({e})") from None
+            _check_column(source.path, parquet.schema_arrow, text_field, pa)
+            for batch in parquet.iter_batches(batch_size=1024, columns=[text_field]):
+                yield source.path, batch
+            return
+        for path in _dataset_files(source.path):
+            try:
+                reader = pa.ipc.open_stream(pa.memory_map(str(path)))
+            except (pa.ArrowException, OSError) as e:
+                raise PrepareError(f"source {path}: not an Arrow stream of a saved dataset ({e})") from None
+            _check_column(path, reader.schema, text_field, pa)
+            for batch in reader:
+                yield path, batch
+
+    for _, batch in batches():
+        for text in batch.column(text_field).to_pylist():
+            if text is not None:
+                yield [text]
+
+
+def _check_column(path: Path, schema: Any, text_field: str, pa: Any) -> None:
+    if text_field not in schema.names:
+        raise PrepareError(
+            f"source {path}: no column {text_field!r} (it has {', '.join(schema.names)}); --text-field"
+        )
+    kind = schema.field(text_field).type
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+        raise PrepareError(f"source {path}: column {text_field!r} holds {kind}, not text")
 
 
 # ------------------------------------------------------------------------------------------ tokenizers
@@ -268,12 +367,13 @@ def prepare(
     tokenizer: str = "byte",
     vocab_size: int = 8192,
     text_field: str = "text",
+    split: str = "train",
     shard_tokens: int = DEFAULT_SHARD_TOKENS,
     progress: Callable[[int], None] | None = None,
 ) -> Manifest:
     """Tokenize ``specs`` into ``out`` (see the module doc). ``tokenizer``: 'byte', 'bpe' (trained here on the
     sources, ``vocab_size`` ids) or a path to a tokenizer.json. ``progress`` is called with bytes read."""
-    sources = expand_sources(specs)
+    sources = expand_sources(specs, split)
     if tokenizer == "byte":
         tok = Tokenizer.byte_level()
     elif tokenizer == "bpe":

@@ -109,7 +109,7 @@ DEVICE_SAMPLES_PER_SECOND = Gauge(
 )
 DEVICE_FLOPS = Gauge(
     "p2ptrain_device_benchmark_flops",
-    "The same in FLOP/s, estimated as 6 x params x tokens per second.",
+    "The same in FLOP/s, estimated as 6 x params x tokens per second (a CNN: its weights x positions).",
     registry=PEER,
 )
 OUTER_STEPS = Counter("p2ptrain_outer_steps", "Outer steps this peer applied.", registry=PEER)

@@ -408,7 +408,7 @@ class Trainer:
             cfg.model.context_length,
             cfg.model.dropout,
             seed=cfg.run.seed,
-            vocab_size=self.corpus.vocab_size,
+            **self.corpus.model_args(),
         )
         self.codec = codec_for(cfg.averaging)  # one codec: error feedback must round as the wire does
         shapes = [p.shape for p in self.model.parameters() if p.requires_grad]
@@ -512,7 +512,7 @@ class Trainer:
         samples_per_s, flops = benchmark_device(
             self.model,
             cfg.inner,
-            context_length=cfg.model.context_length,
+            batch=self.corpus.example_batch(cfg.inner.batch_size),
             steps=cfg.device.benchmark_steps,
             autocast_dtype=getattr(torch, cfg.device.dtype),
         )

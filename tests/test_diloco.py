@@ -202,7 +202,9 @@ def test_the_device_benchmark_leaves_the_model_and_the_random_numbers_alone():
     torch.manual_seed(123)
     expected = torch.rand(3)
     torch.manual_seed(123)
-    samples_per_s, flops = benchmark_device(model, InnerConfig(batch_size=4), context_length=16, steps=2)
+    tokens = torch.randint(256, (4, 17), generator=torch.Generator().manual_seed(0))
+    batch = tokens[:, :-1], tokens[:, 1:]
+    samples_per_s, flops = benchmark_device(model, InnerConfig(batch_size=4), batch=batch, steps=2)
     assert torch.equal(torch.rand(3), expected), "training's random numbers must not shift"
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     params = sum(p.numel() for p in model.parameters() if p.requires_grad)

@@ -73,6 +73,38 @@ def test_jsonl_rows_are_documents_and_a_bad_row_is_named(tmp_path):
         prepare([str(rows)], tmp_path / "bad")
 
 
+def test_parquet_files_and_saved_datasets_prepare_the_same_tokens_as_the_jsonl_of_their_rows(tmp_path):
+    datasets = pytest.importorskip("datasets")  # dev extra: writes the files as users' tools do
+
+    texts = [f"row {i}: {TEXT}" for i in range(3000)]  # more rows than one record batch
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"text": t, "id": i}) + "\n" for i, t in enumerate(texts)))
+    expected = prepare([str(rows)], tmp_path / "from-jsonl")
+    table = datasets.Dataset.from_dict({"id": list(range(len(texts))), "text": texts})
+    table.to_parquet(str(tmp_path / "rows.parquet"))
+    table.save_to_disk(str(tmp_path / "saved"), max_shard_size="100KB")  # several Arrow files
+    datasets.DatasetDict({"train": table, "test": table.select(range(3))}).save_to_disk(
+        str(tmp_path / "dict")
+    )
+    for source in ("rows.parquet", "saved", "dict"):
+        got = prepare([str(tmp_path / source)], tmp_path / f"from-{source}")
+        assert got.sha256 == expected.sha256 and got.documents == len(texts), source
+    test_split = prepare([str(tmp_path / "dict")], tmp_path / "test-split", split="test")
+    assert test_split.documents == 3
+
+    with pytest.raises(
+        PrepareError, match=r"rows.parquet: no column 'body' \(it has id, text\); --text-field"
+    ):
+        prepare([str(tmp_path / "rows.parquet")], tmp_path / "bad", text_field="body")
+    with pytest.raises(PrepareError, match=r"column 'id' holds int64, not text"):
+        prepare([str(tmp_path / "saved")], tmp_path / "bad", text_field="id")
+    with pytest.raises(PrepareError, match=r"a saved DatasetDict without split 'validation'"):
+        prepare([str(tmp_path / "dict")], tmp_path / "bad", split="validation")
+    (tmp_path / "broken.parquet").write_bytes(b"PAR1 not really")
+    with pytest.raises(PrepareError, match=r"broken.parquet: not a Parquet file"):
+        prepare([str(tmp_path / "broken.parquet")], tmp_path / "bad")
+
+
 def test_sources_are_globs_and_folders_in_order_and_bad_ones_are_refused(tmp_path):
     src = write_corpus(tmp_path / "src")
     (src / ".hidden").write_text("skipped")

@@ -113,6 +113,32 @@ def test_a_llama_trains_on_a_prepared_bpe_corpus_and_transformers_generates_with
         assert torch.allclose(model.eval()(x).logits, ours.eval()(x), atol=1e-4)
 
 
+def test_a_cnn_learns_the_digits_to_90_percent_test_accuracy_and_eval_prints_it(tmp_path):
+    import re
+    import subprocess
+    import sys
+
+    sections = {
+        "data": {"source": "digits", "val_fraction": 0.1},
+        "model": {"name": "cnn-small"},
+        "inner": {"num_inner_steps": 10, "lr": 0.003, "batch_size": 32, "warmup_steps": 10},
+        "outer": {"num_rounds": 6},
+    }
+    peers = start(MemorySwarm(), tmp_path, ["a", "b", "c"], **sections)
+    finish(peers)
+    assert_swarm_contract(tmp_path, peers, ["a", "b", "c"])
+    out = subprocess.run(
+        [sys.executable, "-m", "p2ptrain", "eval", str(tmp_path / "a" / "final.safetensors")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    found = re.search(r"test accuracy (\d\.\d+) \((\d+) images\)", out.stdout)
+    assert found is not None, out.stdout
+    assert float(found[1]) >= 0.90 and int(found[2]) == 359, out.stdout
+
+
 def test_overlapped_rounds_train_the_next_round_while_the_last_is_averaged(tmp_path):
     peers = start(MemorySwarm(), tmp_path, ["a", "b", "c"], outer={"overlap": True})
     finish(peers)
