@@ -9,15 +9,17 @@
   digits that no peer trains on.
 - mnist.yaml is not run: it needs MNIST's files, which nothing here downloads.
 
-Wall time is the demo's (`wall_s` of its summary: from its start, peers' start-up included, to the last
-peer's final model), with every peer on one thread. Writes bench/results/kinds.json and the "kinds" table
-of docs/benchmarks.md.
+Text metrics are per token; bits per byte (final val loss / ln 2 x tokens per byte of the text) puts the
+bytes and the BPE on one scale. Wall time is the demo's (`wall_s` of its summary: from its start, peers'
+start-up included, to the last peer's final model), with every peer on one thread. Writes
+bench/results/kinds.json and the "kinds" table of docs/benchmarks.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import subprocess
@@ -32,6 +34,7 @@ from bench.report import replace_block
 from p2ptrain.config import load_config
 from p2ptrain.data import load_corpus, open_corpus
 from p2ptrain.models import build_model, num_params
+from p2ptrain.prepare import Manifest
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results" / "kinds.json"
@@ -92,17 +95,19 @@ def main() -> None:
             capture_output=True,
         )
         prepare_s = round(time.monotonic() - started, 1)
+        bpe_tokens_per_byte = Manifest.read(work / "bpe").num_tokens / text.stat().st_size
         kinds = [
-            ("default.yaml", [], "Python's documentation, bytes (0.47 MB)"),
-            ("tiny.yaml", [], "Python's documentation, bytes"),
+            ("default.yaml", [], "Python's documentation, bytes (0.47 MB)", 1.0),
+            ("tiny.yaml", [], "Python's documentation, bytes", 1.0),
             (
                 "llama.yaml",
                 ["data.source=prepared", f"data.path={work / 'bpe'}"],
                 f"Python's documentation, BPE of {args.vocab_size} ids (prepared in {prepare_s} s)",
+                bpe_tokens_per_byte,
             ),
-            ("digits.yaml", [], "scikit-learn's 8x8 digits (1,797; 359 for test)"),
+            ("digits.yaml", [], "scikit-learn's 8x8 digits (1,797; 359 for test)", None),
         ]
-        for config, sets, data in kinds:
+        for config, sets, data, tokens_per_byte in kinds:
             print(f"{config} ...", flush=True)
             summary = run_demo(config, sets, work / config.removesuffix(".yaml"))
             row = {
@@ -112,6 +117,10 @@ def main() -> None:
                 "initial_val_loss": round(summary["initial_val_loss"], 4),
                 "final_val_loss": round(summary["final_val_loss"], 4),
                 "test_accuracy": summary.get("final_test_accuracy"),
+                "tokens_per_byte": tokens_per_byte,
+                "val_bits_per_byte": None
+                if tokens_per_byte is None
+                else round(summary["final_val_loss"] / math.log(2) * tokens_per_byte, 3),
                 "params_identical": summary["params_identical"],
                 "samples": summary["samples_total"],
                 "wall_s": summary["wall_s"],
@@ -139,7 +148,8 @@ def render(result: dict) -> str:
         metric = (
             f"test accuracy {r['test_accuracy']:.4f} (val loss {r['final_val_loss']:.3f})"
             if r["test_accuracy"] is not None
-            else f"val loss {r['initial_val_loss']:.3f} -> {r['final_val_loss']:.3f}"
+            else f"val loss {r['initial_val_loss']:.3f} -> {r['final_val_loss']:.3f} "
+            f"({r['val_bits_per_byte']:.2f} bits/byte)"
         )
         params = f"{r['params'] / 1e6:.2f}M" if r["params"] >= 1e5 else f"{r['params'] / 1e3:.0f}k"
         lines.append(
