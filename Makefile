@@ -53,6 +53,7 @@ bench: $(STAMP)
 	$(BIN)/python -m bench.link
 	$(BIN)/python -m bench.overlap
 	$(BIN)/python -m bench.data
+	$(BIN)/python -m bench.llama
 	$(BIN)/python -m bench.kinds
 
 clean:

@@ -44,28 +44,7 @@ def export(path: Path, out: Path) -> dict:
     manifest = _manifest(cfg.data)
     end_of_text = manifest.end_of_text if manifest is not None else None
     config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": vocab_size,
-        "hidden_size": shape.n_embd,
-        "intermediate_size": shape.intermediate,
-        "num_hidden_layers": shape.n_layer,
-        "num_attention_heads": shape.n_head,
-        "num_key_value_heads": shape.n_kv_head,
-        "head_dim": shape.n_embd // shape.n_head,
-        "hidden_act": "silu",
-        "max_position_embeddings": cfg.model.context_length,
-        "rms_norm_eps": shape.rms_norm_eps,
-        "rope_theta": shape.rope_theta,
-        "rope_scaling": None,
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "mlp_bias": False,
-        "tie_word_embeddings": shape.tie_embeddings,
-        "initializer_range": 0.02,
-        "bos_token_id": end_of_text,
-        "eos_token_id": end_of_text,
-        "torch_dtype": "float32",
+        **hf_config(cfg.model.name, cfg.model.context_length, vocab_size, end_of_text),
         "p2ptrain": {"run_id": cfg.run.run_id, "round": loaded.round, "params_hash": loaded.params_sha256()},
     }
     out.mkdir(parents=True, exist_ok=True)
@@ -82,6 +61,37 @@ def export(path: Path, out: Path) -> dict:
         }
         (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
     return config
+
+
+def hf_config(name: str, context_length: int, vocab_size: int, end_of_text: int | None = None) -> dict:
+    """The ``LlamaConfig`` (as config.json's fields) of zoo model ``name``: what makes ``LlamaForCausalLM``
+    compute what ``models.Llama`` computes."""
+    shape = ZOO[name]
+    assert isinstance(shape, LlamaShape), name
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": vocab_size,
+        "hidden_size": shape.n_embd,
+        "intermediate_size": shape.intermediate,
+        "num_hidden_layers": shape.n_layer,
+        "num_attention_heads": shape.n_head,
+        "num_key_value_heads": shape.n_kv_head,
+        "head_dim": shape.n_embd // shape.n_head,
+        "hidden_act": "silu",
+        "max_position_embeddings": context_length,
+        "rms_norm_eps": shape.rms_norm_eps,
+        "rope_theta": shape.rope_theta,
+        "rope_scaling": None,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "mlp_bias": False,
+        "tie_word_embeddings": shape.tie_embeddings,
+        "initializer_range": 0.02,
+        "bos_token_id": end_of_text,
+        "eos_token_id": end_of_text,
+        "torch_dtype": "float32",
+    }
 
 
 def _manifest(data) -> Manifest | None:
