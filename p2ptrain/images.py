@@ -4,8 +4,8 @@ folder of images sorted into one subfolder per class.
 Images are small, so a set is read into memory once as uint8 pixels (60,000 MNIST digits: 47 MB) and
 normalized a batch at a time. Its three splits are fixed by the data alone, never by the run, so that test
 accuracy means the same in every run: the data's own test split where it has one (MNIST's t10k files, a
-folder's ``test/``), else the last ``TEST_FRACTION`` of a fixed shuffle; validation is the end of what is left
-for training (``data.val_fraction``).
+folder's ``test/``), else the last ``TEST_FRACTION`` of a fixed shuffle of the images; validation is the end
+of what is left for training, in the same shuffle (``data.val_fraction``).
 
 An ``ImageSet`` answers the trainer as a text ``Corpus`` does (``data.py``, which opens either): the same
 seeded shards of example indices per round and rank (``shards.py``), batches that cycle through a shard,
@@ -29,7 +29,8 @@ from p2ptrain.shards import shard_windows
 TEST_FRACTION = 0.2
 """The share of a set without its own test split that is held out for testing."""
 SPLIT_SEED = 20261202
-"""The fixed shuffle that splits such a set: part of the data's definition, the same in every run."""
+"""The fixed shuffle of the training images before the test (where carved) and validation splits are cut
+from their end: part of the data's definition, the same in every run."""
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff")
 IDX_FILES = {
     "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
@@ -69,9 +70,11 @@ class ImageSet:
             ValueError: too few images for the splits.
         """
         x, y = train
+        # Shuffled first, by a fixed seed: a folder's files come sorted by class, and a split cut from the
+        # end of them would hold one class only.
+        order = np.random.default_rng(SPLIT_SEED).permutation(len(x))
+        x, y = x[order], y[order]
         if test is None:
-            order = np.random.default_rng(SPLIT_SEED).permutation(len(x))
-            x, y = x[order], y[order]
             n_test = max(1, int(len(x) * TEST_FRACTION))
             test, (x, y) = (x[-n_test:], y[-n_test:]), (x[:-n_test], y[:-n_test])
         n_val = max(1, int(len(x) * val_fraction))

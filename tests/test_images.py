@@ -113,7 +113,9 @@ def test_an_image_folder_reads_classes_from_subfolders_in_either_layout(tmp_path
     flat = open_corpus(DataConfig(source="images", path=tmp_path / "flat"), 64, 0.1)
     assert flat.classes == ["cat", "dog"] and flat.train_x.shape[1:] == (1, 6, 5)
     assert len(flat.test_x) == int(20 * TEST_FRACTION)
-    split = open_corpus(DataConfig(source="images", path=tmp_path / "split"), 64, 0.1)
+    split = open_corpus(DataConfig(source="images", path=tmp_path / "split"), 64, 0.25)
+    # The files come sorted by class; the validation split, cut from the end, must not be one class.
+    assert set(split.val_y.tolist()) == {0, 1} and len(split.val_y) == int(14 * 0.25)
     assert split.train_x.shape[1:] == (3, 6, 5) and len(split.test_x) == 6
     model = build_model("cnn-tiny", 64, **split.model_args())
     assert model(split.normalize(split.test_x)).shape == (6, 2) and num_params(model) > 0
