@@ -24,25 +24,26 @@ from p2ptrain.models import build_model
 def evaluate(
     model: torch.nn.Module, corpus: Corpus | ImageSet, cfg: ExperimentConfig, device: torch.device
 ) -> dict:
-    """Validation loss, perplexity and accuracy (of the next token, or of the class) over
-    ``data.eval_batches`` fixed batches; for an image set, also over every test image (``test_loss``,
-    ``test_accuracy``, ``test_images``)."""
-    metrics = _metrics(model, corpus.val_batches(cfg.inner.batch_size, cfg.data.eval_batches), device)
-    val = {
-        "val_loss": metrics["loss"],
-        "perplexity": math.exp(metrics["loss"]),
-        "accuracy": metrics["accuracy"],
-    }
+    """Validation loss and accuracy (of the next token, or of the class) over ``data.eval_batches`` fixed
+    batches; for text also perplexity, for an image set also the loss and accuracy over every test image
+    (``test_loss``, ``test_accuracy``, ``test_images``)."""
+    val = _metrics(model, corpus.val_batches(cfg.inner.batch_size, cfg.data.eval_batches), device)
     if isinstance(corpus, ImageSet):
         test = _metrics(model, corpus.test_batches(cfg.inner.batch_size), device)
         return {
-            **val,
-            "images": metrics["count"],
+            "val_loss": val["loss"],
+            "accuracy": val["accuracy"],
+            "images": val["count"],
             "test_loss": test["loss"],
             "test_accuracy": test["accuracy"],
             "test_images": test["count"],
         }
-    return {**val, "tokens": metrics["count"]}
+    return {
+        "val_loss": val["loss"],
+        "perplexity": math.exp(val["loss"]),
+        "accuracy": val["accuracy"],
+        "tokens": val["count"],
+    }
 
 
 def _metrics(model: torch.nn.Module, batches, device: torch.device) -> dict:

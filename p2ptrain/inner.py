@@ -15,6 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from p2ptrain.config import InnerConfig
+from p2ptrain.models import flops_per_sample
 
 
 def pick_device(kind: str) -> torch.device:
@@ -108,8 +109,6 @@ def benchmark_device(
     ``models.flops_per_sample``. Times ``steps`` steps of a copy of the model on ``batch`` (inputs and
     targets of one training batch, ``data.example_batch``), after one untimed step: the model, its optimizer
     and the random number generators that training draws from are untouched."""
-    from p2ptrain.models import flops_per_sample  # models.py is torch only; kept out of the import graph here
-
     probe = copy.deepcopy(model)
     params = [p for p in probe.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr)
