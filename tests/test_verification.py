@@ -53,6 +53,37 @@ def test_honest_replicas_agree_every_round_and_everyone_counts(tmp_path):
         assert p.trainer.rounds_applied == list(range(p.cfg.outer.num_rounds))
 
 
+def test_an_image_classifiers_flipped_work_is_left_out_as_a_language_models_is(tmp_path):
+    """Verification knows nothing of the model: a CNN's pseudo-gradients are sketched and judged alike."""
+    from tests.memswarm import fast_config
+
+    names = ["a", "b", "c", "x"]
+    sections = {
+        "swarm": {"min_peers": 4},
+        "averaging": {"target_group_size": 4},
+        "verification": VERIFY,
+        "data": {"source": "digits", "val_fraction": 0.1},
+        "model": {"name": "cnn-small"},
+        "inner": {"num_inner_steps": 10, "lr": 0.003, "batch_size": 32, "warmup_steps": 10},
+    }
+    swarm = MemorySwarm()
+    peers = {
+        name: PeerThread(
+            swarm, name, fast_config(tmp_path, name, **sections), FlipsItsWork if name == "x" else Trainer
+        )
+        for name in names
+    }
+    finish(peers)
+    x = swarm.peer_id("x")
+    for name in ("a", "b", "c"):
+        verdicts = peers[name].trainer.verdicts
+        judged = [v for _, v in verdicts if x in v.left_out or any(x in g for g in v.agreed)]
+        assert judged, f"{name} never judged x"
+        assert all(v.left_out.get(x) in (Why.DISSENT, Why.BANNED) for v in judged), verdicts
+        assert set(peers[name].trainer.reputation.strikes) == {x}
+    assert_swarm_contract(tmp_path, peers, ["a", "b", "c"])
+
+
 def test_rounds_by_time_replicas_do_what_their_slowest_benchmark_fits_and_still_agree(tmp_path, monkeypatch):
     from p2ptrain import trainer
 
