@@ -229,7 +229,10 @@ def test_a_peer_that_falls_behind_drops_its_stale_work_and_catches_up(tmp_path, 
     finish(peers)
     assert_swarm_contract(tmp_path, peers, ["a", "b", "c"])
     assert 1 not in peers["c"].trainer.rounds_applied
-    assert [why for why, _ in peers["c"].trainer.loads] == ["catch_up"]
+    # At least the stall's catch-up; on a busy machine c may also miss round 0's short barrier and catch up
+    # once more (CI: round 0, then round 1). Never another kind of load.
+    whys = [why for why, _ in peers["c"].trainer.loads]
+    assert whys and set(whys) == {"catch_up"}, peers["c"].trainer.loads
     assert peers["a"].trainer.rounds_applied == [0, 1, 2, 3]
 
 
