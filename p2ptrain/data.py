@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 import torch
 
-from p2ptrain.prepare import Manifest
+from p2ptrain.prepare import Manifest, file_sha256
 from p2ptrain.shards import generator, shard_windows
 
 if TYPE_CHECKING:
@@ -87,23 +87,12 @@ def corpus_digest(cfg: DataSource) -> str:
     assert cfg.path is not None  # enforced by DataConfig
     if cfg.source == "prepared":  # hashed when prepared: the tokenizer and every token
         return Manifest.read(Path(cfg.path)).sha256
-    path = Path(cfg.path).resolve()
-    stat = path.stat()
-    return _file_digest(path, stat.st_size, stat.st_mtime_ns)
+    return file_sha256(Path(cfg.path))
 
 
 @functools.lru_cache(maxsize=1)
 def _pydoc_digest() -> str:
     return hashlib.sha256(_pydoc_bytes()).hexdigest()
-
-
-@functools.lru_cache(maxsize=16)  # keyed on size and mtime as well: a rewritten file is read again
-def _file_digest(path: Path, size: int, mtime_ns: int) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 class Tokens:

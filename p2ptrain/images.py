@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from p2ptrain.prepare import file_sha256
 from p2ptrain.shards import shard_windows
 
 TEST_FRACTION = 0.2
@@ -172,17 +173,7 @@ def images_digest(source: str, path: Path | None) -> str:
     digest = hashlib.sha256(source.encode())
     for file in files:
         digest.update(file.relative_to(root).as_posix().encode() + b"\0")
-        stat = file.stat()
-        digest.update(bytes.fromhex(_file_sha256(file.resolve(), stat.st_size, stat.st_mtime_ns)))
-    return digest.hexdigest()
-
-
-@functools.lru_cache(maxsize=4096)  # keyed on size and mtime as well: a rewritten file is read again
-def _file_sha256(path: Path, size: int, mtime_ns: int) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
+        digest.update(bytes.fromhex(file_sha256(file)))
     return digest.hexdigest()
 
 

@@ -22,6 +22,7 @@ newline (bytes).
 
 from __future__ import annotations
 
+import functools
 import glob
 import hashlib
 import json
@@ -45,6 +46,23 @@ _BATCH_BYTES = 1 << 23  # texts are tokenized in batches of about 8 MB (tokenize
 
 class PrepareError(ValueError):
     """A source, tokenizer or prepared folder that cannot be used; the message names it."""
+
+
+def file_sha256(path: Path) -> str:
+    """A file's sha256 (hex), read in 1 MB pieces; cached on its size and mtime, so that a rewritten file is
+    read again. Data identities are built from it (``data.corpus_digest``, ``images.images_digest``)."""
+    path = path.resolve()
+    stat = path.stat()
+    return _file_sha256(path, stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4096)
+def _file_sha256(path: Path, size: int, mtime_ns: int) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 # ------------------------------------------------------------------------------------------ sources
