@@ -69,8 +69,6 @@ class PeerAverager(Protocol):
         """(donor, metadata, tensors) from the first donor that serves its state, or None."""
         ...
 
-    def set_round(self, round: int) -> None: ...
-
     def expect_group(self, peers: Sequence[str]) -> None:
         """The next all-reduce's group, as the barrier knows it (us included): matchmaking ends once they
         have joined, rather than waiting out ``averaging.matchmaking_time_s``."""

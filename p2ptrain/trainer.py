@@ -466,7 +466,6 @@ class Trainer:
             raise ConfigError(problem)
         if cfg.checkpoint.resume:
             self.resume_from_checkpoint()
-        self.averager.set_round(self.round)
         if cfg.metrics.port:  # after the forks: a child must not inherit the listening socket
             telemetry.serve(cfg.metrics.port, cfg.metrics.host)
         telemetry.set_peer_info(
@@ -983,7 +982,6 @@ class Trainer:
             self.rounds_voided.append(round_)
             self._reputation_at_step = self.reputation.to_dict()
             self.board.update(round=self.round, state=PeerState.TRAINING, **self._no_claims())
-            self.averager.set_round(self.round)
             return None
         if self.peer_id in verdict.left_out:
             self.diloco.reset_model()
@@ -1236,7 +1234,6 @@ class Trainer:
             rounds_contributed=self.rounds_contributed,
             **self._no_claims(),
         )
-        self.averager.set_round(self.round)
         return report
 
     def _waiting(self) -> Waiting:
@@ -1471,7 +1468,6 @@ class Trainer:
             self.memory.behind_since = None  # progress: the catch-up timeout starts over
             claims = {} if rebase else self._no_claims()  # a rebase stays in our round: our claims stand
             self.board.update(round=self.round, params_hash=self.diloco.params_hash(), **claims)
-            self.averager.set_round(self.round)
             telemetry.STATE_LOADS.inc()
             telemetry.ROUND.set(self.round)
             self.loads.append((why, self.round))

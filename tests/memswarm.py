@@ -302,9 +302,6 @@ class MemoryAverager:
                 return (donor_id, *got)
         return None
 
-    def set_round(self, round: int) -> None:
-        pass
-
     def expect_group(self, peers) -> None:
         self._expected = len(peers)
 
