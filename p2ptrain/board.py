@@ -12,8 +12,10 @@ for the swarm. Here records travel the other way, and only when they change:
   a bootstrap node's metrics): each peer stores its own every ``record_ttl_s / 3`` on the nodes nearest to
   the key (:data:`REPLICAS`), straight to them as its routing table knows them, with a full search every
   :data:`SEARCH_EVERY` stores so that it follows the key's nearest nodes as the swarm changes.
-- **Reads of the DHT** happen when a peer starts, every ``record_ttl_s`` (one node; every heartbeat while it
-  knows no other peer), and soon after an unknown peer pushes or a peer sees the swarm otherwise than we do
+- **Reads of the DHT** happen when a peer starts, every ``record_ttl_s * N / REPLICAS`` for a peer that knows
+  N peers (:func:`discovery_period_s`: the swarm as a whole reads about every ``record_ttl_s / REPLICAS``, and
+  each peer's share stays the same as it grows; one node; every heartbeat while it knows no other peer),
+  and soon after an unknown peer pushes or a peer sees the swarm otherwise than we do
   (at most once a heartbeat): that finds newcomers and heals a lost push or a split. Newly found peers get
   our record at once.
   A newcomer's first push is answered with the receiver's record, so it learns the swarm's state at once.
@@ -65,6 +67,19 @@ MAX_PUSH_BYTES = 64 * 1024
 
 PUSH_TIMEOUT_S = 5.0
 """How long a push to one peer may take; a peer that does not answer gets the next one all the same."""
+
+
+def discovery_period_s(ttl_s: float, live: int) -> float:
+    """How often a peer that knows ``live`` peers (itself included) reads every record from the DHT, unasked.
+
+    Such a read is a safety net: it finds peers that no push told us of (two halves of a swarm that started
+    apart, a lost push), and its answer holds every peer's signed record, O(N) bytes. It is enough that
+    *someone* reads about every ``ttl_s / REPLICAS``: whoever finds a stranger pushes our record to it,
+    which reads the DHT in turn and pushes on. So each peer reads every ``ttl_s * live / REPLICAS`` (every
+    ``ttl_s`` in a swarm of up to REPLICAS peers), and what one peer spends on these reads per round stays
+    the same as the swarm grows, instead of growing with it.
+    """
+    return ttl_s * max(1.0, live / REPLICAS)
 
 
 def compact(wire: dict[str, Any]) -> dict[str, Any]:
@@ -220,11 +235,11 @@ class BoardService:
         await self.read_dht(beam_size=1)
 
     async def _discover_periodically(self) -> None:
-        """Every ``record_ttl_s``; every heartbeat while we know no other peer (peers that start together each
-        find nobody at first, and push to nobody)."""
+        """Every :func:`discovery_period_s`; every heartbeat while we know no other peer (peers that start
+        together each find nobody at first, and push to nobody)."""
         while True:
             alone = not self._push_targets()
-            period = self.heartbeat_s if alone else self.ttl_s
+            period = self.heartbeat_s if alone else discovery_period_s(self.ttl_s, len(self._live()))
             await asyncio.sleep(max(0.0, self._read_at + period - time.monotonic()))
             if time.monotonic() - self._read_at >= period:
                 await self.read_dht(beam_size=2 if alone else 1)

@@ -29,7 +29,7 @@ import os
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -303,7 +303,8 @@ class Swarm:
         while not self._stop.is_set():
             try:
                 self.publish()
-                if time.monotonic() - self._experiment_stored > self.record_ttl_s:
+                due = time.monotonic() - self._experiment_stored > self.record_ttl_s
+                if due and carries_experiment(self.peer_id, live(self._records)):
                     self._store_experiment()
                 # Keeps our view fresh (and the split watch running) between the trainer's reads.
                 if time.monotonic() - self._last_read > self.heartbeat_s / 2:
@@ -355,8 +356,9 @@ class Swarm:
         return sign(cfg, self._signer)
 
     def carry_experiment(self, record: ExperimentRecord) -> None:
-        """Store the run's signed experiment under our subkey, now and every ``swarm.record_ttl_s``: it
-        lives in the swarm as long as one of its peers does."""
+        """Store the run's signed experiment under our subkey, now and, while we are one of its carriers
+        (:func:`carries_experiment`), every ``swarm.record_ttl_s``: it lives in the swarm as long as one of
+        its peers does."""
         self._experiment = record
         self._store_experiment()
 
@@ -454,6 +456,15 @@ DHT_TUNING: dict[str, Any] = dict(
     cache_refresh_before_expiry=0,
 )
 """Our DHT node's settings where hivemind's defaults do not fit a key with every peer's record in it."""
+
+
+def carries_experiment(me: str, live_peers: Iterable[str]) -> bool:
+    """Whether we keep the run's signed experiment alive in the DHT: the :data:`~p2ptrain.board.REPLICAS`
+    live peers with the lowest ids do (every peer did: each store is a copy on REPLICAS nodes, so a swarm of N
+    peers stored N times what one reader needs). Every peer computes the same carriers from what it sees;
+    when one leaves, the next takes over within a record's time to live, before the copies it stored (which
+    live ``3 * swarm.record_ttl_s``) expire."""
+    return me in sorted({*live_peers, me})[:REPLICAS]
 
 
 def read_latest(dht: hivemind.DHT, key: str) -> Any:

@@ -9,8 +9,9 @@ import pytest
 from hivemind.utils import MSGPackSerializer
 from hivemind.utils.timed_storage import get_dht_time
 
-from p2ptrain.board import MAX_PUSH_BYTES, BoardService, compact
+from p2ptrain.board import MAX_PUSH_BYTES, REPLICAS, BoardService, compact, discovery_period_s
 from p2ptrain.records import PeerState, ProgressRecord
+from p2ptrain.swarm import carries_experiment
 
 ME, OTHER, STRANGER = "QmMe", "QmOther", "QmStranger"
 
@@ -122,3 +123,23 @@ def test_a_push_from_a_peer_we_never_read_asks_the_dht_first_and_a_stranger_is_s
     assert asyncio.run(scenario()) == b""
     assert b.node.reads == 1  # the DHT was asked whether it has a record of the stranger: no
     assert STRANGER not in b.entries and b.traffic.pushes_refused == 1
+
+
+def test_the_swarm_reads_every_record_from_the_dht_as_often_whatever_its_size_and_each_peer_less_often():
+    ttl = 20.0
+    periods = {n: discovery_period_s(ttl, n) for n in (1, 2, REPLICAS, 6, 30, 300)}
+    assert periods[1] == periods[2] == periods[REPLICAS] == ttl  # a small swarm: every peer every ttl
+    for n in (6, 30, 300):
+        assert n / periods[n] == pytest.approx(REPLICAS / ttl)  # reads per second, all peers together
+    assert periods[300] > periods[30] > periods[6] > ttl
+
+
+def test_the_experiment_is_carried_by_the_same_few_peers_whoever_computes_them_and_the_next_takes_over():
+    peers = [f"Qm{i:02d}" for i in range(6)]
+    carriers = [p for p in peers if carries_experiment(p, peers)]
+    assert len(carriers) == REPLICAS
+    assert carries_experiment("Qm05", []) and carries_experiment("Qm05", ["Qm05"])  # alone: it carries
+    gone = carriers[0]
+    rest = [p for p in peers if p != gone]
+    after = [p for p in rest if carries_experiment(p, rest)]
+    assert len(after) == REPLICAS and set(carriers) - {gone} < set(after)
