@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import shutil
 import threading
@@ -85,6 +86,7 @@ class P2pdBytes:
 
     def __init__(self):
         self.last: dict[int, dict[int, int]] = {}  # peer index -> p2pd pid -> rchar + wchar
+        self.pids: dict[int, set[int]] = {}  # peer index -> its processes' pids (for the wiretap's files)
         self.series: dict[int, list[tuple[float, int]]] = {}  # peer index -> (wall time, traffic so far)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -105,6 +107,7 @@ class P2pdBytes:
                     children = psutil.Process(p.proc.pid).children(recursive=True)
                 except psutil.Error:
                     continue
+                self.pids.setdefault(p.index, set()).update([p.proc.pid, *(c.pid for c in children)])
                 for child in children:
                     try:
                         if child.name() == "p2pd":
@@ -130,6 +133,33 @@ class P2pdBytes:
         return b0 + (b1 - b0) * (when - t0) / (t1 - t0)
 
 
+WIRETAP = ROOT / "bench" / "wiretap"
+"""The folder whose sitecustomize taps what a peer's processes say to p2pd, by protocol (``P2PTRAIN_WIRETAP``)."""
+
+
+def tapped(folder: Path, pids: set[int], t0: float, t1: float) -> dict[str, dict[str, int]]:
+    """By libp2p protocol, the bytes (out + in) and calls a peer's processes (``pids``) made between wall times
+    ``t0`` and ``t1``, from the wiretap's files in ``folder``."""
+    totals: dict[str, dict[str, int]] = {}
+    for pid in pids:
+        path = folder / f"{pid}.jsonl"
+        if not path.exists():
+            continue
+        snapshots = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+        def at(when: float, snapshots=snapshots) -> dict:
+            before = [s["c"] for s in snapshots if s["t"] <= when]
+            return before[-1] if before else {}
+
+        c0, c1 = at(t0), at(t1)
+        for proto, (out, into, calls) in c1.items():
+            o0, i0, n0 = c0.get(proto, (0, 0, 0))
+            total = totals.setdefault(proto, {"bytes": 0, "calls": 0})
+            total["bytes"] += out + into - o0 - i0
+            total["calls"] += calls - n0
+    return totals
+
+
 def inner_midpoint(step: dict) -> float:
     """When the middle of the inner phase of the round an outer step line ends: its all-reduce is not in flight
     (its line is written after the evaluation that follows the round)."""
@@ -137,20 +167,29 @@ def inner_midpoint(step: dict) -> float:
     return started + step["inner_s"] / 2
 
 
-def steady_traffic(sampler: P2pdBytes, index: int, steps: list[dict]) -> dict:
+def steady_traffic(sampler: P2pdBytes, index: int, steps: list[dict], tap: Path | None = None) -> dict:
     """Non-payload and payload bytes per round and per second of one peer, from the middle of its second inner
-    phase to the middle of its last (start-up and goodbye left out)."""
+    phase to the middle of its last (start-up and goodbye left out); with the wiretap's folder ``tap``, what
+    its processes handed p2pd in that time by protocol, per round."""
     first, last = 1, len(steps) - 1
     t0, t1 = inner_midpoint(steps[first]), inner_midpoint(steps[last])
     total = sampler.at(index, t1) - sampler.at(index, t0)
     payload = sum(s["bytes_sent"] + s["bytes_received"] for s in steps[first:last])  # the syncs in between
     rounds = last - first
-    return {
+    out = {
         "rounds": rounds,
         "non_payload_bytes_per_round": round((total - payload) / rounds),
         "payload_bytes_per_round": round(payload / rounds),
         "non_payload_bytes_per_s": round((total - payload) / (t1 - t0)),
     }
+    if tap is not None:
+        by_protocol = tapped(tap, sampler.pids.get(index, set()), t0, t1)
+        out["by_protocol_per_round"] = {
+            proto: {k: round(v / rounds, 1) for k, v in counts.items()}
+            for proto, counts in sorted(by_protocol.items())
+            if counts["calls"] or counts["bytes"]
+        }
+    return out
 
 
 def run(
@@ -162,9 +201,11 @@ def run(
     *,
     overlapped: bool = False,
     net: ShapedNet | None = None,
+    tap: bool = False,
 ) -> dict:
     """The swarm of ``peers`` peers under ``sets``, to its end: each peer's phase shares and traffic. ``net``:
-    each peer in its namespace of a shaped network (else on 127.0.0.1)."""
+    each peer in its namespace of a shaped network (else on 127.0.0.1). ``tap``: with the wiretap (traffic by
+    protocol)."""
     shutil.rmtree(workdir, ignore_errors=True)  # a fresh swarm: no checkpoint of an earlier run to resume
     base = ["join", "--config", str(ROOT / "configs" / "default.yaml"), "--log-format", "json"]
     if net is None:
@@ -182,28 +223,43 @@ def run(
     ]:
         base += ["--set", item]
     sampler = P2pdBytes()
-    procs, codes = run_swarm(
-        base,
-        workdir,
-        peers,
-        extra=extra,
-        timeout_s=1800,
-        started=sampler.start,
-        prefix=net.prefix if net is not None else None,
-        maddr_prefix=f"/ip4/{net.address(0)}/" if net is not None else "/ip4/127.0.0.1/",
-    )
-    sampler.stop()
+    tap_folder = workdir / "wiretap" if tap else None
+    saved = {k: os.environ.get(k) for k in ("PYTHONPATH", "P2PTRAIN_WIRETAP")}
+    if tap_folder is not None:  # the peers inherit our environment
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(WIRETAP), saved["PYTHONPATH"]]))
+        os.environ["P2PTRAIN_WIRETAP"] = str(tap_folder)
+    try:
+        procs, codes = _run_swarm_sampled(base, workdir, peers, extra, sampler, net)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     if any(codes):
         raise SystemExit(f"{name}: exit codes {codes}; logs in {workdir}")
     per_peer = [phase_shares(p.outer_steps()) for p in procs]
     traffic = None
     if not overlapped:  # with overlap an all-reduce is always in flight: no quiet moment to count from
         for p, shares in zip(procs, per_peer):
-            shares["traffic"] = steady_traffic(sampler, p.index, p.outer_steps())
+            shares["traffic"] = steady_traffic(sampler, p.index, p.outer_steps(), tap_folder)
         traffic = {
             key: round(sum(p["traffic"][key] for p in per_peer) / len(per_peer))
             for key in ("non_payload_bytes_per_round", "payload_bytes_per_round", "non_payload_bytes_per_s")
         }
+        if tap_folder is not None:
+            protos = sorted({k for p in per_peer for k in p["traffic"]["by_protocol_per_round"]})
+            traffic["by_protocol_per_round"] = {
+                proto: {
+                    k: round(
+                        sum(p["traffic"]["by_protocol_per_round"].get(proto, {}).get(k, 0) for p in per_peer)
+                        / len(per_peer),
+                        1,
+                    )
+                    for k in ("bytes", "calls")
+                }
+                for proto in protos
+            }
     finals = [s["val_loss"] for p in procs for s in p.outer_steps()[-1:] if s.get("val_loss") is not None]
     mean = {k: round(sum(p["shares"][k] for p in per_peer) / len(per_peer), 3) for k in (*PHASES, "other")}
     return {
@@ -214,6 +270,22 @@ def run(
         "utilization": [p["utilization"] for p in per_peer],
         "final_val_loss": max(finals),
     }
+
+
+def _run_swarm_sampled(base, workdir, peers, extra, sampler, net):
+    try:
+        return run_swarm(
+            base,
+            workdir,
+            peers,
+            extra=extra,
+            timeout_s=1800,
+            started=sampler.start,
+            prefix=net.prefix if net is not None else None,
+            maddr_prefix=f"/ip4/{net.address(0)}/" if net is not None else "/ip4/127.0.0.1/",
+        )
+    finally:
+        sampler.stop()
 
 
 def main() -> None:
@@ -238,7 +310,7 @@ def main() -> None:
     traffic = {}
     for n in args.traffic_peers:
         print(f"traffic: {n} peers", flush=True)
-        r = run(f"traffic-{n}", TRAFFIC_SETS, n, args.rounds, args.workdir / f"traffic-{n}")
+        r = run(f"traffic-{n}", TRAFFIC_SETS, n, args.rounds, args.workdir / f"traffic-{n}", tap=True)
         traffic[n] = {
             **r["traffic"],
             "seconds_per_round": round(sum(p["seconds_per_round"] for p in r["peers"]) / len(r["peers"]), 2),
