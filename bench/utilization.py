@@ -37,9 +37,11 @@ from pathlib import Path
 
 import psutil
 import torch
+from hivemind.dht.routing import DHTID
 
 from bench.netns import ShapedNet
 from bench.report import RESULTS, replace_block
+from p2ptrain.experiment import EXPERIMENTS_KEY
 from p2ptrain.localswarm import LOOPBACK, run_swarm
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -160,6 +162,17 @@ def tapped(folder: Path, pids: set[int], t0: float, t1: float) -> dict[str, dict
     return totals
 
 
+def protocol_label(proto: str, run_id: str) -> str:
+    """A wiretap protocol in words: the run's prefix dropped, a DHT call's key named, the serving side merged
+    with the calling one (a peer does both; what it costs is the sum)."""
+    label = proto.removesuffix(" (served)").split("::")[-1]
+    keys = {f"{run_id}_progress": "progress records", EXPERIMENTS_KEY: "experiment"}
+    keys[f"{run_id}_diloco.all_averagers"] = "donor declarations"
+    for key, name in keys.items():
+        label = label.replace(DHTID.generate(source=key).to_bytes().hex()[:8], name)
+    return label
+
+
 def inner_midpoint(step: dict) -> float:
     """When the middle of the inner phase of the round an outer step line ends: its all-reduce is not in flight
     (its line is written after the evaluation that follows the round)."""
@@ -207,6 +220,7 @@ def run(
     each peer in its namespace of a shaped network (else on 127.0.0.1). ``tap``: with the wiretap (traffic by
     protocol)."""
     shutil.rmtree(workdir, ignore_errors=True)  # a fresh swarm: no checkpoint of an earlier run to resume
+    run_id = f"utilization-{name}-{int(time.time())}"
     base = ["join", "--config", str(ROOT / "configs" / "default.yaml"), "--log-format", "json"]
     if net is None:
         base += ["--host-maddrs", LOOPBACK]
@@ -216,7 +230,7 @@ def run(
         extra = {i: ["--host-maddrs", f"/ip4/{net.address(i)}/tcp/0"] for i in range(peers)}
     for item in [
         *sets,
-        f"run.run_id=utilization-{name}-{int(time.time())}",
+        f"run.run_id={run_id}",
         f"outer.num_rounds={rounds}",
         "device.num_threads=1",  # as the demo on 2 cores
         f"swarm.min_peers={peers}",
@@ -247,18 +261,15 @@ def run(
             key: round(sum(p["traffic"][key] for p in per_peer) / len(per_peer))
             for key in ("non_payload_bytes_per_round", "payload_bytes_per_round", "non_payload_bytes_per_s")
         }
-        if tap_folder is not None:
-            protos = sorted({k for p in per_peer for k in p["traffic"]["by_protocol_per_round"]})
+        if tap_folder is not None:  # mean over the peers, by protocol in words
+            merged: dict[str, dict[str, float]] = {}
+            for p in per_peer:
+                for proto, counts in p["traffic"]["by_protocol_per_round"].items():
+                    total = merged.setdefault(protocol_label(proto, run_id), {"bytes": 0.0, "calls": 0.0})
+                    for k in total:
+                        total[k] += counts[k] / len(per_peer)
             traffic["by_protocol_per_round"] = {
-                proto: {
-                    k: round(
-                        sum(p["traffic"]["by_protocol_per_round"].get(proto, {}).get(k, 0) for p in per_peer)
-                        / len(per_peer),
-                        1,
-                    )
-                    for k in ("bytes", "calls")
-                }
-                for proto in protos
+                label: {k: round(v, 1) for k, v in counts.items()} for label, counts in sorted(merged.items())
             }
     finals = [s["val_loss"] for p in procs for s in p.outer_steps()[-1:] if s.get("val_loss") is not None]
     mean = {k: round(sum(p["shares"][k] for p in per_peer) / len(per_peer), 3) for k in (*PHASES, "other")}
@@ -356,6 +367,46 @@ def main() -> None:
         )
     replace_block("traffic", rows)
     print("\n".join(rows))
+    rows = traffic_by_protocol(traffic)
+    replace_block("traffic-protocols", rows)
+    print("\n".join(rows))
+
+
+ALLREDUCE = "ExactAverager.rpc_aggregate_part"
+
+
+def traffic_by_protocol(traffic: dict) -> list[str]:
+    """The non-payload traffic per peer per round of each swarm size, by what it is: each protocol's bytes as
+    the peer's processes handed them to p2pd (calls and served calls together), the all-reduce's framing
+    beyond its tensors, and what libp2p and p2pd add on the way (the rest of p2pd's count)."""
+    sizes = [n for n, t in traffic.items() if "by_protocol_per_round" in t]
+    if not sizes:
+        return []
+    labels = sorted({k for n in sizes for k in traffic[n]["by_protocol_per_round"]} - {ALLREDUCE})
+    rows = [
+        "| kB per peer per round (calls) | " + " | ".join(f"{n} peers" for n in sizes) + " |",
+        "| --- |" + " --- |" * len(sizes),
+    ]
+    cells: dict[str, list[str]] = {label: [] for label in labels}
+    framing, libp2p = [], []
+    for n in sizes:
+        t = traffic[n]
+        protos = t["by_protocol_per_round"]
+        for label in labels:
+            c = protos.get(label, {"bytes": 0.0, "calls": 0.0})
+            cells[label].append(f"{c['bytes'] / 1e3:.1f} ({c['calls']:.1f})")
+        allreduce = protos.get(ALLREDUCE, {"bytes": 0.0, "calls": 0.0})
+        frame = allreduce["bytes"] - t["payload_bytes_per_round"]
+        framing.append(f"{frame / 1e3:.1f} ({allreduce['calls']:.1f})")
+        handed = sum(c["bytes"] for k, c in protos.items() if k != ALLREDUCE) + frame
+        libp2p.append(f"{(t['non_payload_bytes_per_round'] - handed) / 1e3:.1f}")
+    for label in labels:
+        rows.append(f"| {label} | " + " | ".join(cells[label]) + " |")
+    rows.append("| all-reduce streams: framing beyond the tensors | " + " | ".join(framing) + " |")
+    rows.append("| libp2p and p2pd on the way (the rest of p2pd's count) | " + " | ".join(libp2p) + " |")
+    total = [f"**{traffic[n]['non_payload_bytes_per_round'] / 1e3:.1f}**" for n in sizes]
+    rows.append("| **non-payload, all of it** | " + " | ".join(total) + " |")
+    return rows
 
 
 if __name__ == "__main__":
