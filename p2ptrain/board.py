@@ -69,17 +69,22 @@ PUSH_TIMEOUT_S = 5.0
 """How long a push to one peer may take; a peer that does not answer gets the next one all the same."""
 
 
+def share_period_s(period_s: float, live: int) -> float:
+    """How often each of ``live`` peers does what the swarm needs done about :data:`REPLICAS` times per
+    ``period_s``: every ``period_s * live / REPLICAS`` (every ``period_s`` in a swarm of up to REPLICAS
+    peers). What it costs one peer per round then stays the same as the swarm grows."""
+    return period_s * max(1.0, live / REPLICAS)
+
+
 def discovery_period_s(ttl_s: float, live: int) -> float:
     """How often a peer that knows ``live`` peers (itself included) reads every record from the DHT, unasked.
 
     Such a read is a safety net: it finds peers that no push told us of (two halves of a swarm that started
     apart, a lost push), and its answer holds every peer's signed record, O(N) bytes. It is enough that
     *someone* reads about every ``ttl_s / REPLICAS``: whoever finds a stranger pushes our record to it,
-    which reads the DHT in turn and pushes on. So each peer reads every ``ttl_s * live / REPLICAS`` (every
-    ``ttl_s`` in a swarm of up to REPLICAS peers), and what one peer spends on these reads per round stays
-    the same as the swarm grows, instead of growing with it.
+    which reads the DHT in turn and pushes on (:func:`share_period_s`).
     """
-    return ttl_s * max(1.0, live / REPLICAS)
+    return share_period_s(ttl_s, live)
 
 
 def compact(wire: dict[str, Any]) -> dict[str, Any]:

@@ -29,7 +29,7 @@ import os
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,6 +47,7 @@ from pydantic.v1 import BaseModel
 
 from p2ptrain.addrs import SwarmError, is_loopback, read_maddrs_file
 from p2ptrain.board import REPLICAS, BoardService, records_from_dht_value
+from p2ptrain.board import share_period_s as board_share_period_s
 from p2ptrain.config import ExperimentConfig, SwarmConfig
 from p2ptrain.experiment import EXPERIMENTS_KEY, Experiment, ExperimentRecord, published, sign
 from p2ptrain.experiment import subkey as experiment_subkey
@@ -284,6 +285,7 @@ class Swarm:
         self._heartbeat: threading.Thread | None = None
         self._experiment: ExperimentRecord | None = None
         self._experiment_stored = -float("inf")
+        self._experiment_every = float(cfg.record_ttl_s)
         self._last_read = -float("inf")
 
     def subscribe(self, observer: RecordsObserver) -> None:
@@ -303,8 +305,10 @@ class Swarm:
         while not self._stop.is_set():
             try:
                 self.publish()
-                due = time.monotonic() - self._experiment_stored > self.record_ttl_s
-                if due and carries_experiment(self.peer_id, live(self._records)):
+                every = min(
+                    self._experiment_every, experiment_period_s(self.record_ttl_s, len(live(self._records)))
+                )
+                if time.monotonic() - self._experiment_stored > every:
                     self._store_experiment()
                 # Keeps our view fresh (and the split watch running) between the trainer's reads.
                 if time.monotonic() - self._last_read > self.heartbeat_s / 2:
@@ -356,22 +360,23 @@ class Swarm:
         return sign(cfg, self._signer)
 
     def carry_experiment(self, record: ExperimentRecord) -> None:
-        """Store the run's signed experiment under our subkey, now and, while we are one of its carriers
-        (:func:`carries_experiment`), every ``swarm.record_ttl_s``: it lives in the swarm as long as one of
-        its peers does."""
+        """Store the run's signed experiment under our subkey, now and every :func:`experiment_period_s`: it
+        lives in the swarm as long as one of its peers does, and a joiner takes the one most peers carry."""
         self._experiment = record
         self._store_experiment()
 
     def _store_experiment(self) -> None:
         if self._experiment is None:
             return
+        # Refreshed before it expires even if the swarm grows meanwhile (the next period is at most this one).
+        every = self._experiment_every = experiment_period_s(self.record_ttl_s, len(live(self._records)))
         with self._lock:
             future = self.dht.board(
                 "store",
                 key=EXPERIMENTS_KEY,
                 subkey=experiment_subkey(self._experiment.run_id, self._public_key),
                 value=self._experiment.dict(),
-                expiration=get_dht_time() + min(3 * self.record_ttl_s, MAX_RECORD_TTL_S),
+                expiration=get_dht_time() + min(3 * every, MAX_RECORD_TTL_S),
                 return_future=True,
             )
         future.result(timeout=BOARD_TIMEOUT_S)
@@ -458,13 +463,13 @@ DHT_TUNING: dict[str, Any] = dict(
 """Our DHT node's settings where hivemind's defaults do not fit a key with every peer's record in it."""
 
 
-def carries_experiment(me: str, live_peers: Iterable[str]) -> bool:
-    """Whether we keep the run's signed experiment alive in the DHT: the :data:`~p2ptrain.board.REPLICAS`
-    live peers with the lowest ids do (every peer did: each store is a copy on REPLICAS nodes, so a swarm of N
-    peers stored N times what one reader needs). Every peer computes the same carriers from what it sees;
-    when one leaves, the next takes over within a record's time to live, before the copies it stored (which
-    live ``3 * swarm.record_ttl_s``) expire."""
-    return me in sorted({*live_peers, me})[:REPLICAS]
+def experiment_period_s(ttl_s: float, live: int) -> float:
+    """How often a peer of a swarm of ``live`` peers stores its copy of the run's signed experiment again;
+    each copy lives three times as long. Every peer carries one (a joiner takes the experiment that most
+    peers carry, so that a few hostile peers cannot pass off another), but each copy is a store on
+    :data:`~p2ptrain.board.REPLICAS` nodes: the copies of N peers are refreshed as often, all together, as
+    those of REPLICAS peers every ``ttl_s``, up to a third of the longest a node keeps a record."""
+    return min(board_share_period_s(ttl_s, live), MAX_RECORD_TTL_S / 3)
 
 
 def read_latest(dht: hivemind.DHT, key: str) -> Any:
