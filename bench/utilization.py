@@ -50,6 +50,10 @@ PHASES = ("inner", "barrier", "verify", "sync", "eval")
 SETTINGS: dict[str, tuple[str, list[str]]] = {
     "every_peer_evaluates": ("every peer evaluates every round (data.eval_by=all)", ["data.eval_by=all"]),
     "default": ("the default: one peer of the group evaluates, in turn", []),
+    "eval_every_4": (
+        "the default, evaluating after every 4th round only (data.eval_every=4)",
+        ["data.eval_every=4"],
+    ),
     "overlap": (
         "overlap: the sync of round r runs while round r+1 trains (outer.overlap)",
         ["outer.overlap=true"],
@@ -326,6 +330,16 @@ def main() -> None:
             **r["traffic"],
             "seconds_per_round": round(sum(p["seconds_per_round"] for p in r["peers"]) / len(r["peers"]), 2),
         }
+    # A partial run (--only, --traffic-peers) keeps the earlier results of what it did not run.
+    earlier = (
+        json.loads((RESULTS / "utilization.json").read_text())
+        if (RESULTS / "utilization.json").exists()
+        else {}
+    )
+    results = {k: results.get(k) or earlier.get("results", {}).get(k) for k in SETTINGS}
+    results = {k: v for k, v in results.items() if v is not None}
+    if not traffic:
+        traffic = {int(n): t for n, t in earlier.get("traffic_by_peers", {}).items()}
     out = {
         "machine": {"cpu_count": torch.get_num_threads(), "platform": platform.platform()},
         "experiment": {"config": "configs/default.yaml", "peers": args.peers, "rounds": args.rounds},

@@ -107,6 +107,10 @@ class DataConfig(_Section):
     by round (the group's peers hold the same params, so one evaluation is enough, and the others go on
     training); 'all': every peer, every round. Every peer evaluates the last round. The round's log line says
     who did (evaluated_by)."""
+    eval_every: int = Field(default=1, ge=1)
+    """Compute the validation loss after every this many rounds only (and after the last): an evaluation is
+    data.eval_batches forward passes on its peer's critical path, which the round's other peers wait out at
+    the next barrier. The rounds in between log no val_loss."""
 
     @model_validator(mode="after")
     def _check_path(self) -> DataConfig:

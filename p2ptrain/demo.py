@@ -85,12 +85,13 @@ def run_demo(
             rounds[r][peer.index] = event
             if len(rounds[r]) == peers:
                 rows = rounds[r].values()
-                # One peer of each group evaluates a round (data.eval_by): the worst loss any of them saw.
+                # One peer of each group evaluates a round (data.eval_by), or nobody (data.eval_every): the worst loss
+                # any of them saw.
                 val = max((e["val_loss"] for e in rows if e.get("val_loss") is not None), default=math.nan)
                 print(
                     f"round {r + 1:>3}/{cfg.outer.num_rounds}  "
                     f"train loss {sum(e['train_loss'] for e in rows) / peers:.4f}  "
-                    f"val loss {val:.4f}  "
+                    f"val loss {'     —' if math.isnan(val) else f'{val:.4f}'}  "
                     f"groups {sorted(e['group_size'] for e in rows)}  "
                     f"sent {sum(e['bytes_sent'] for e in rows) / peers / 1e6:.2f} MB/peer  "
                     f"{time.monotonic() - t0:6.1f}s",

@@ -457,12 +457,16 @@ def _past(me: Me, others: Records) -> bool:
 # ------------------------------------------------------------------------------------------- the end
 
 
-def evaluator(me: str, group: Iterable[str], round: int) -> str:
-    """Who evaluates the params a group holds after ``round``'s outer step (``data.eval_by: one``). Every peer
-    of an averaging group holds the same params, so one evaluation is enough: the group's members (``group``,
-    as the all-reduce gathered them; empty if we stepped alone) take turns by round."""
+def evaluator(me: str, group: Iterable[str], round: int, every: int = 1) -> str | None:
+    """Who evaluates the params a group holds after ``round``'s outer step (``data.eval_by: one``), or None if
+    nobody does: only every ``every`` rounds are evaluated (``data.eval_every``: after rounds every - 1,
+    2 * every - 1, ...). Every peer of an averaging group holds the same params, so one evaluation is
+    enough: the group's members (``group``, as the all-reduce gathered them; empty if we stepped alone) take
+    turns, one evaluated round each."""
+    if (round + 1) % every:
+        return None
     members = sorted(set(group) | {me})
-    return members[round % len(members)]
+    return members[(round // every) % len(members)]
 
 
 class LingerState(str, Enum):

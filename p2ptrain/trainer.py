@@ -1260,12 +1260,17 @@ class Trainer:
                 hint="a broken or hostile peer, or one of another run or config (averaging.reject_radius)",
             )
         duration = time.monotonic() - stats.started  # the round itself, before this peer's evaluation
-        # One evaluation per group and round, in turn (data.eval_by): the others train on meanwhile. Everyone
-        # evaluates the last round's params, the run's final figure.
+        # One evaluation per group and evaluated round (data.eval_every), in turn (data.eval_by): the others
+        # train on meanwhile. Everyone evaluates the last round's params, the run's final figure.
         evaluated_by = protocol.evaluator(
-            self.peer_id, report.peers if report.group_size > 1 else [], report.round
+            self.peer_id,
+            report.peers if report.group_size > 1 else [],
+            report.round,
+            every=self.cfg.data.eval_every,
         )
-        if self.cfg.data.eval_by == "all" or self.round >= self.cfg.outer.num_rounds:
+        if evaluated_by is not None and self.cfg.data.eval_by == "all":
+            evaluated_by = self.peer_id
+        if self.round >= self.cfg.outer.num_rounds:
             evaluated_by = self.peer_id
         val_loss = None
         if evaluated_by == self.peer_id:
@@ -1290,7 +1295,7 @@ class Trainer:
             round=report.round,
             train_loss=round(stats.loss, 4),
             val_loss=None if val_loss is None else round(val_loss, 4),
-            evaluated_by=evaluated_by[-8:],
+            evaluated_by=evaluated_by[-8:] if evaluated_by is not None else None,
             samples=stats.samples,
             group_size=report.group_size,
             outlier_parts=sum(report.outliers.values()),

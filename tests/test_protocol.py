@@ -352,3 +352,12 @@ def test_one_peer_of_a_group_evaluates_a_round_and_each_in_turn():
         assert {protocol.evaluator(me, others, r) for r in range(3)} == set(group)  # each in turn
         assert [protocol.evaluator(me, others, r) for r in range(6)] == ["p1", "p2", "p3"] * 2  # all agree
     assert protocol.evaluator("p9", [], 7) == "p9"  # stepped alone: its params are its own to evaluate
+
+
+def test_with_eval_every_only_every_kth_round_is_evaluated_and_the_group_still_takes_turns():
+    group = ["p3", "p1", "p2"]
+    for me in group:
+        others = [p for p in group if p != me]
+        turns = [protocol.evaluator(me, others, r, every=3) for r in range(9)]
+        assert turns == [None, None, "p1", None, None, "p2", None, None, "p3"]  # after rounds 2, 5, 8
+    assert [protocol.evaluator("p9", [], r, every=2) for r in range(4)] == [None, "p9", None, "p9"]

@@ -172,6 +172,16 @@ def test_matchmaking_expects_the_barriers_group_and_one_peer_of_it_evaluates_eac
     assert len({name for name, rounds in evaluated.items() if set(rounds) - {last}}) > 1  # in turn
 
 
+def test_with_eval_every_the_rounds_between_are_not_evaluated_and_the_last_is_by_every_peer(tmp_path):
+    memswarm = MemorySwarm()
+    peers = start(memswarm, tmp_path, ["a", "b"], outer={"num_rounds": 4}, data={"eval_every": 2})
+    finish(peers)
+    assert_swarm_contract(tmp_path, peers, ["a", "b"])
+    evaluated = {name: sorted(dict(p.trainer.val_losses)) for name, p in peers.items()}
+    # Params after round 2 (of 4) by one of the two, after the last by both; rounds 1 and 3 by nobody.
+    assert sorted(evaluated.values()) == [[2, 4], [4]], evaluated
+
+
 def test_rounds_by_time_a_slow_peer_does_fewer_steps_weighted_by_its_samples_and_nobody_waits_for_it(
     tmp_path, monkeypatch
 ):
