@@ -139,6 +139,49 @@ def test_the_reducer_hands_every_sender_the_aggregate_of_every_senders_part():
     assert reducer.parts_left_out == {3: 2}  # both parts of the sign-flipper, by its sender index
 
 
+def test_the_runner_replaces_hiveminds_reducer_without_it_warning_that_it_received_nothing():
+    """Every peer's log said "Reducer: received 0.0% of input tensors" every round: the reducer that
+    hivemind's runner makes, replaced by ours and collected at once, warned as it finalized."""
+    import asyncio
+    import logging
+
+    from hivemind.p2p import PeerID
+
+    from p2ptrain.averaging import ExactAllReduceRunner, ExactAverager
+    from p2ptrain.compression import make_codec
+
+    me, other = PeerID(b"\x00\x24" + b"a" * 36), PeerID(b"\x00\x24" + b"b" * 36)
+    warned: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            warned.append(record.getMessage())
+
+    class P2P:
+        peer_id = me
+
+    async def make():
+        return ExactAllReduceRunner(
+            p2p=P2P(),
+            servicer_type=ExactAverager,
+            prefix="run",
+            group_id=b"group",
+            tensors=[torch.zeros(10)],
+            ordered_peer_ids=[me, other],
+            peer_fractions=(0.5, 0.5),
+            compression=make_codec("none"),
+        )
+
+    handler = Collect(level=logging.WARNING)
+    logging.getLogger("hivemind.averaging.partition").addHandler(handler)
+    try:
+        runner = asyncio.run(make())
+        assert warned == []
+        runner.tensor_part_reducer.finished.set()  # never run here: it would rightly warn when collected
+    finally:
+        logging.getLogger("hivemind.averaging.partition").removeHandler(handler)
+
+
 def test_a_part_far_beyond_the_spread_gets_no_weight_at_all():
     parts = honest_parts(4)
     honest = weighted_mean(parts[:3], [1.0] * 3)
