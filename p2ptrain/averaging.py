@@ -142,7 +142,7 @@ class ExactAllReduceRunner(AllReduceRunner):
         self.parts_for_local_averaging = self.tensor_part_container.get_raw_input_parts(my_index)
         # hivemind's reducer, made by super().__init__ and never used: finished, or its finalize (when it is
         # collected, at once) warns "Reducer: received 0.0% of input tensors" in every peer's log every round.
-        self.tensor_part_reducer.finished.set()
+        self.tensor_part_reducer.finished.set()  # type: ignore[has-type]  # hivemind's, untyped
         self.tensor_part_reducer = RobustPartReducer(
             tuple(part.shape for part in self.parts_for_local_averaging),
             len(self.sender_peer_ids),
