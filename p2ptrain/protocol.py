@@ -334,12 +334,23 @@ def behind(
 
 
 def roster(me: Me, others: Records) -> tuple[int, int]:
-    """Our rank and the world size of our round: the sorted ids of the live peers in it, us included.
+    """Our rank and the world size of our round, which pick our data shard: the sorted ids of the live peers
+    in it, us included, and of those still in the previous round's sync.
 
-    Peers loading into our round count: they are about to train it (at the start of a run every peer is
-    ``loading`` until its first inner phase, and peers that see different rosters train overlapping data).
+    Peers that see different rosters train overlapping data (shards are slices of one permutation: rank 0
+    of any world starts at the same windows). So peers loading into our round count: they are about to
+    train it (at the start of a run every peer is ``loading`` until its first inner phase). So do peers
+    still averaging the round before ours: the groupmates we just averaged with step into our round
+    milliseconds after us, and a peer that starts its inner phase before their new records have arrived
+    saw itself alone, or nearly, and trained a slice that another peer trained too (3 real peers of the
+    default experiment: in 15 rounds of 16, one peer or more trained another's data; the robust aggregate
+    then left honest parts out, as far from two alike). A verifiable round waits for them instead
+    (``Trainer._await_roster``).
     """
-    ordered = roster_ids(me, others)
+    previous = {
+        pid for pid, r in others.items() if r.round == me.round - 1 and r.state == PeerState.AVERAGING
+    }
+    ordered = sorted(set(roster_ids(me, others)) | previous)
     return ordered.index(me.peer_id), len(ordered)
 
 

@@ -112,6 +112,8 @@ class RoundStats:
     """The schedule paused us before the inner phase ended: its steps are dropped."""
     dropped: bool = False
     """The previous round's sync (overlap) failed or went stale while we trained: these steps are dropped."""
+    shard: str = ""
+    """The data shard the inner phase trained, ``rank/world`` (the outer step's log line says it)."""
     weight: float | None = None
     """A verifiable round's weight for us, as the verdict gives it (a full inner phase's samples over our
     replica group's size): we send exactly that (reducers refuse any other)."""
@@ -686,7 +688,7 @@ class Trainer:
         round_ = self.training_round
         starts = self.corpus.shard(seed=cfg.run.seed, round=round_, rank=rank, world=world)
         batches = self.corpus.batches(starts, cfg.inner.batch_size)
-        stats = RoundStats()
+        stats = RoundStats(shard=f"{rank}/{world}")
         # With a sync in flight, our record says averaging (our round) until it lands.
         state = {"state": PeerState.TRAINING} if self._sync is None else {}
         self.board.update(samples_round=0, **state, **claims)
@@ -1297,6 +1299,7 @@ class Trainer:
             val_loss=None if val_loss is None else round(val_loss, 4),
             evaluated_by=evaluated_by[-8:] if evaluated_by is not None else None,
             samples=stats.samples,
+            shard=stats.shard,
             group_size=report.group_size,
             outlier_parts=sum(report.outliers.values()),
             fallback=report.failure,

@@ -208,6 +208,16 @@ def test_roster_is_the_sorted_ids_of_the_peers_training_our_round():
     )
 
 
+def test_the_roster_counts_the_peers_still_averaging_the_round_before_ours_they_step_into_it_next():
+    """Peers that just averaged round 2 together: whoever starts round 3 first must not see itself alone
+    (rank 0 of 1 and rank 0 of 3 train the same windows)."""
+    others = table(rec("a", 2, state="averaging"), rec("z", 2, state="averaging"))
+    assert protocol.roster(me(), others) == (1, 3)  # a, me, z
+    assert protocol.roster(me(), table(rec("a", 2), rec("z", 1, state="averaging"))) == (0, 1), (
+        "a peer still training an older round, or two rounds behind, is not about to train ours"
+    )
+
+
 def test_next_roster_counts_the_peers_in_the_next_round_and_those_averaging_into_it():
     """outer.overlap: we train round 4 while our round 3 is averaged; so do the others."""
     others = table(
