@@ -13,7 +13,7 @@ for the swarm. Here records travel the other way, and only when they change:
   the key (:data:`REPLICAS`), straight to them as its routing table knows them, with a full search every
   :data:`SEARCH_EVERY` stores so that it follows the key's nearest nodes as the swarm changes.
 - **Reads of the DHT** happen when a peer starts, every ``record_ttl_s * N / REPLICAS`` for a peer that knows
-  N peers (:func:`discovery_period_s`: the swarm as a whole reads about every ``record_ttl_s / REPLICAS``, and
+  N peers (:func:`share_period_s`: the swarm as a whole reads about every ``record_ttl_s / REPLICAS``, and
   each peer's share stays the same as it grows; one node; every heartbeat while it knows no other peer),
   and soon after an unknown peer pushes or a peer sees the swarm otherwise than we do
   (at most once a heartbeat): that finds newcomers and heals a lost push or a split. Newly found peers get
@@ -72,19 +72,14 @@ PUSH_TIMEOUT_S = 5.0
 def share_period_s(period_s: float, live: int) -> float:
     """How often each of ``live`` peers does what the swarm needs done about :data:`REPLICAS` times per
     ``period_s``: every ``period_s * live / REPLICAS`` (every ``period_s`` in a swarm of up to REPLICAS
-    peers). What it costs one peer per round then stays the same as the swarm grows."""
+    peers). What it costs one peer per round then stays the same as the swarm grows.
+
+    The unasked reads of every record from the DHT go at this pace (of ``ttl_s``). Such a read is a safety
+    net: it finds peers that no push told us of (two halves of a swarm that started apart, a lost push), and
+    its answer holds every peer's signed record, O(N) bytes. It is enough that *someone* reads about every
+    ``ttl_s / REPLICAS``: whoever finds a stranger pushes our record to it, which reads the DHT in turn and
+    pushes on."""
     return period_s * max(1.0, live / REPLICAS)
-
-
-def discovery_period_s(ttl_s: float, live: int) -> float:
-    """How often a peer that knows ``live`` peers (itself included) reads every record from the DHT, unasked.
-
-    Such a read is a safety net: it finds peers that no push told us of (two halves of a swarm that started
-    apart, a lost push), and its answer holds every peer's signed record, O(N) bytes. It is enough that
-    *someone* reads about every ``ttl_s / REPLICAS``: whoever finds a stranger pushes our record to it,
-    which reads the DHT in turn and pushes on (:func:`share_period_s`).
-    """
-    return share_period_s(ttl_s, live)
 
 
 def compact(wire: dict[str, Any]) -> dict[str, Any]:
@@ -240,11 +235,11 @@ class BoardService:
         await self.read_dht(beam_size=1)
 
     async def _discover_periodically(self) -> None:
-        """Every :func:`discovery_period_s`; every heartbeat while we know no other peer (peers that start
+        """Every :func:`share_period_s` of ``ttl_s``; every heartbeat while we know no other peer (peers that start
         together each find nobody at first, and push to nobody)."""
         while True:
             alone = not self._push_targets()
-            period = self.heartbeat_s if alone else discovery_period_s(self.ttl_s, len(self._live()))
+            period = self.heartbeat_s if alone else share_period_s(self.ttl_s, len(self._live()))
             await asyncio.sleep(max(0.0, self._read_at + period - time.monotonic()))
             if time.monotonic() - self._read_at >= period:
                 await self.read_dht(beam_size=2 if alone else 1)

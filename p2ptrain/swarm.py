@@ -46,8 +46,7 @@ from hivemind.utils.timed_storage import get_dht_time
 from pydantic.v1 import BaseModel
 
 from p2ptrain.addrs import SwarmError, is_loopback, read_maddrs_file
-from p2ptrain.board import REPLICAS, BoardService, records_from_dht_value
-from p2ptrain.board import share_period_s as board_share_period_s
+from p2ptrain.board import REPLICAS, BoardService, records_from_dht_value, share_period_s
 from p2ptrain.config import ExperimentConfig, SwarmConfig
 from p2ptrain.experiment import EXPERIMENTS_KEY, Experiment, ExperimentRecord, published, sign
 from p2ptrain.experiment import subkey as experiment_subkey
@@ -469,7 +468,7 @@ def experiment_period_s(ttl_s: float, live: int) -> float:
     peers carry, so that a few hostile peers cannot pass off another), but each copy is a store on
     :data:`~p2ptrain.board.REPLICAS` nodes: the copies of N peers are refreshed as often, all together, as
     those of REPLICAS peers every ``ttl_s``, up to a third of the longest a node keeps a record."""
-    return min(board_share_period_s(ttl_s, live), MAX_RECORD_TTL_S / 3)
+    return min(share_period_s(ttl_s, live), MAX_RECORD_TTL_S / 3)
 
 
 def read_latest(dht: hivemind.DHT, key: str) -> Any:

@@ -9,7 +9,7 @@ import pytest
 from hivemind.utils import MSGPackSerializer
 from hivemind.utils.timed_storage import get_dht_time
 
-from p2ptrain.board import MAX_PUSH_BYTES, REPLICAS, BoardService, compact, discovery_period_s
+from p2ptrain.board import MAX_PUSH_BYTES, REPLICAS, BoardService, compact, share_period_s
 from p2ptrain.records import PeerState, ProgressRecord
 from p2ptrain.swarm import MAX_RECORD_TTL_S, experiment_period_s
 
@@ -127,7 +127,7 @@ def test_a_push_from_a_peer_we_never_read_asks_the_dht_first_and_a_stranger_is_s
 
 def test_the_swarm_reads_every_record_from_the_dht_as_often_whatever_its_size_and_each_peer_less_often():
     ttl = 20.0
-    periods = {n: discovery_period_s(ttl, n) for n in (1, 2, REPLICAS, 6, 30, 300)}
+    periods = {n: share_period_s(ttl, n) for n in (1, 2, REPLICAS, 6, 30, 300)}
     assert periods[1] == periods[2] == periods[REPLICAS] == ttl  # a small swarm: every peer every ttl
     for n in (6, 30, 300):
         assert n / periods[n] == pytest.approx(REPLICAS / ttl)  # reads per second, all peers together
