@@ -347,35 +347,38 @@ def roster(me: Me, others: Records) -> tuple[int, int]:
     then left honest parts out, as far from two alike). A verifiable round waits for them instead
     (``Trainer._await_roster``).
     """
-    previous = {
-        pid for pid, r in others.items() if r.round == me.round - 1 and r.state == PeerState.AVERAGING
-    }
-    ordered = sorted(set(roster_ids(me, others)) | previous)
+    ordered = sorted(_in_or_coming(me, others, me.round))
     return ordered.index(me.peer_id), len(ordered)
 
 
 def roster_ids(me: Me, others: Records) -> list[str]:
     """The sorted ids of the live peers of our round, us included (see :func:`roster`)."""
-    ids = {
-        pid
-        for pid, r in others.items()
-        if r.round == me.round and r.state in (PeerState.LOADING, PeerState.TRAINING, PeerState.AVERAGING)
-    }
-    return sorted(ids | {me.peer_id})
+    return sorted(_live_in(others, me.round) | {me.peer_id})
 
 
 def next_roster(me: Me, others: Records) -> tuple[int, int]:
     """Our rank and world size in the round after ours, which we train while ours is averaged
-    (``outer.overlap``): the peers already in it, and those averaging ours, who will be."""
-    coming = (PeerState.LOADING, PeerState.TRAINING, PeerState.AVERAGING)
-    ids = {
-        pid
-        for pid, r in others.items()
-        if (r.round == me.round + 1 and r.state in coming)
-        or (r.round == me.round and r.state == PeerState.AVERAGING)
-    }
-    ordered = sorted(ids | {me.peer_id})
+    (``outer.overlap``): the peers already in it, and every peer that will be: those in our round, still
+    training it or averaging it, and those still averaging the round before (each of them trains our next
+    round while its sync runs, as we do). A peer still training our round counts: when it starts the next
+    one it counts us (we are averaging ours, which cannot end without it), and a roster that left it out
+    trained the windows it trains (3 real peers, before: a world of 1 or 2 in 30 of 48 inner phases)."""
+    ordered = sorted(_in_or_coming(me, others, me.round) | _live_in(others, me.round + 1))
     return ordered.index(me.peer_id), len(ordered)
+
+
+def _live_in(others: Records, round_: int) -> set[str]:
+    """The peers loading into, training or averaging ``round_``."""
+    live = (PeerState.LOADING, PeerState.TRAINING, PeerState.AVERAGING)
+    return {pid for pid, r in others.items() if r.round == round_ and r.state in live}
+
+
+def _in_or_coming(me: Me, others: Records, round_: int) -> set[str]:
+    """Us, the live peers of ``round_``, and those still averaging the round before it: they step into it."""
+    previous = {
+        pid for pid, r in others.items() if r.round == round_ - 1 and r.state == PeerState.AVERAGING
+    }
+    return _live_in(others, round_) | previous | {me.peer_id}
 
 
 class BarrierState(str, Enum):

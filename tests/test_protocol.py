@@ -218,16 +218,35 @@ def test_the_roster_counts_the_peers_still_averaging_the_round_before_ours_they_
     )
 
 
-def test_next_roster_counts_the_peers_in_the_next_round_and_those_averaging_into_it():
-    """outer.overlap: we train round 4 while our round 3 is averaged; so do the others."""
+def test_next_roster_counts_everyone_who_will_train_the_next_round():
+    """outer.overlap: we train round 4 while our round 3 is averaged; so do the others, each as soon as its
+    own inner phase of round 3 ends."""
     others = table(
         rec("b", 4),  # its round-3 sync has landed: training round 4
-        rec("d", 3, state="averaging"),  # averaging round 3, as we are: will be in round 4
-        rec("c", 3, state="training"),  # still training round 3: not in round 4 yet
+        rec("d", 3, state="averaging"),  # averaging round 3, as we are: training round 4
+        rec("c", 3, state="training"),  # still training round 3: our sync waits for it, then it trains 4
+        rec("f", 2, state="averaging"),  # training round 3 while its round-2 sync lands
         rec("a", 4, state="loading"),
         rec("e", 4, state="paused"),
+        rec("g", 2),  # two rounds behind: catching up, not about to train round 4 with us
+        rec("h", 3, state="done"),
     )
-    assert protocol.next_roster(me(), others) == (3, 4)  # a, b, d, me
+    assert protocol.next_roster(me(), others) == (5, 6)  # a, b, c, d, f, me
+
+
+def test_peers_starting_the_next_round_at_different_moments_agree_on_its_roster():
+    """The overlap bug it pins: the first of three peers to finish round 3 counted only itself and those
+    averaging, and trained rank 0 of a world of 1, the windows of the others' rank 0."""
+    first = protocol.next_roster(
+        Me("a", 3, "aa", 2), table(rec("b", 3, state="training"), rec("c", 3, state="training"))
+    )
+    second = protocol.next_roster(
+        Me("b", 3, "aa", 2), table(rec("a", 3, state="averaging"), rec("c", 3, state="training"))
+    )
+    last = protocol.next_roster(
+        Me("c", 3, "aa", 2), table(rec("a", 3, state="averaging"), rec("b", 3, state="averaging"))
+    )
+    assert (first, second, last) == ((0, 3), (1, 3), (2, 3))
 
 
 @pytest.mark.parametrize(
