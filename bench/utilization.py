@@ -58,6 +58,14 @@ SETTINGS: dict[str, tuple[str, list[str]]] = {
         "overlap: the sync of round r runs while round r+1 trains (outer.overlap)",
         ["outer.overlap=true"],
     ),
+    "train_on": (
+        "the default, training on while the round's slower peers finish (inner.max_steps_while_waiting=15)",
+        ["inner.max_steps_while_waiting=15"],
+    ),
+    "overlap_train_on": (
+        "overlap and training on while the slower peers finish",
+        ["outer.overlap=true", "inner.max_steps_while_waiting=15"],
+    ),
 }
 
 
@@ -81,6 +89,7 @@ def phase_shares(steps: list[dict]) -> dict:
         "utilization": round(seconds["inner"] / span, 3),
         "rounds": len(steps),
         "seconds_per_round": round(span / len(steps), 3),
+        "samples": sum(s.get("samples", 0) for s in steps),
     }
 
 
@@ -351,8 +360,8 @@ def main() -> None:
     (RESULTS / "utilization.json").write_text(json.dumps(out, indent=2) + "\n")
     rows = [
         "| setting | utilization per peer | inner | barrier | sync | eval | other | s per round "
-        "| non-payload kB per peer per round | final val loss |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| non-payload kB per peer per round | samples trained, all peers | final val loss |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for name, r in results.items():
         m = r["mean_shares"]
@@ -360,10 +369,12 @@ def main() -> None:
         # With overlap the phases run beside training: their shares overlap the inner phase's, no "other".
         other = f"{max(m['other'], 0.0):.2f}" if m["other"] > -0.01 else "—"
         traffic_kb = f"{r['traffic']['non_payload_bytes_per_round'] / 1e3:.0f}" if r["traffic"] else "—"
+        counted = all("samples" in p for p in r["peers"])  # results from before it was counted: —
+        samples = f"{sum(p['samples'] for p in r['peers']):,}" if counted else "—"
         rows.append(
             f"| {SETTINGS[name][0]} | {', '.join(f'{u:.2f}' for u in r['utilization'])} | {m['inner']:.2f} | "
             f"{m['barrier']:.2f} | {m['sync']:.2f} | {m['eval']:.2f} | {other} | {per_round:.2f} | "
-            f"{traffic_kb} | {r['final_val_loss']:.4f} |"
+            f"{traffic_kb} | {samples} | {r['final_val_loss']:.4f} |"
         )
     replace_block("utilization", rows)
     print("\n".join(rows))

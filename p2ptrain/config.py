@@ -169,6 +169,13 @@ class InnerConfig(_Section):
     the slowest. None: every peer does inner.num_inner_steps steps (rounds by steps)."""
     grad_clip: float = Field(default=1.0, ge=0.0)
     """Clip the gradient norm to this value; 0 turns clipping off."""
+    max_steps_while_waiting: int = Field(default=0, ge=0)
+    """Rounds by steps: a peer that has done its inner.num_inner_steps goes on training its round, up to this
+    many steps more, while the round's slower peers finish theirs, instead of waiting for them at the barrier
+    (0: it waits). Its pseudo-gradient then holds more progress but weighs as a full round's
+    (inner.num_inner_steps x inner.batch_size samples), as every other finished peer's. With outer.overlap
+    the next round's steps no longer start before the round's last peer is done: only the all-reduce runs
+    beside them. Not in verifiable rounds (replicas do the same steps) nor with inner.round_seconds."""
 
 
 class OuterConfig(_Section):

@@ -375,9 +375,7 @@ def _live_in(others: Records, round_: int) -> set[str]:
 
 def _in_or_coming(me: Me, others: Records, round_: int) -> set[str]:
     """Us, the live peers of ``round_``, and those still averaging the round before it: they step into it."""
-    previous = {
-        pid for pid, r in others.items() if r.round == round_ - 1 and r.state == PeerState.AVERAGING
-    }
+    previous = {pid for pid, r in others.items() if r.round == round_ - 1 and r.state == PeerState.AVERAGING}
     return _live_in(others, round_) | previous | {me.peer_id}
 
 

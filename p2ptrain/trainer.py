@@ -117,6 +117,19 @@ class RoundStats:
     weight: float | None = None
     """A verifiable round's weight for us, as the verdict gives it (a full inner phase's samples over our
     replica group's size): we send exactly that (reducers refuse any other)."""
+    steps_while_waiting: int = 0
+    """Steps past H taken while the round's slower peers finished theirs (``inner.max_steps_while_waiting``)."""
+    weight_cap: int | None = None
+    """With steps past H: they weigh nothing more than a full round's samples."""
+
+    @property
+    def sent_weight(self) -> float:
+        """The weight we average our pseudo-gradient with: the verdict's, else our samples (at most a full
+        round's: steps past H add progress, not weight)."""
+        if self.weight is not None:
+            return self.weight
+        samples = self.samples if self.weight_cap is None else min(self.samples, self.weight_cap)
+        return max(samples, 1)
 
     @property
     def loss(self) -> float:
@@ -704,8 +717,12 @@ class Trainer:
         )
         running_loss = lambda: float(loss_sum) / max(stats.steps, 1)  # noqa: E731 - read only when the bar redraws
         step_s = 0.0  # how long our last step took: we stop before one that would end well past the deadline
+        # Rounds by steps: past H, train on while the round's slower peers finish (they see us averaging).
+        extra = 0 if self.verifying or deadline != float("inf") else cfg.inner.max_steps_while_waiting
         with bar:
-            for _ in range(steps):
+            while stats.steps < steps + extra:
+                if stats.steps >= steps and not self._train_while_waiting(stats, extra_of=steps):
+                    break
                 if self.stop.is_set() or (stats.steps and time.monotonic() + step_s / 2 >= deadline):
                     break
                 if self._sync is not None and self._sync.synced() and not self.land():
@@ -753,6 +770,30 @@ class Trainer:
             compute_s=self.compute_s,
         )
         return stats
+
+    def _train_while_waiting(self, stats: RoundStats, *, extra_of: int) -> bool:
+        """Past our H steps (``inner.max_steps_while_waiting``): whether to take one more while the round's
+        slower peers finish. The first time, we tell them we are done (``averaging``, the full round's weight):
+        the barrier then waits for nobody but them. Never while a previous round's sync (overlap) is still in
+        flight: our record speaks for that round, and the barrier after it for this one."""
+        if self._sync is not None:
+            return False
+        if stats.steps == extra_of:
+            stats.weight_cap = extra_of * self.cfg.inner.batch_size
+            self.board.update(state=PeerState.AVERAGING, samples_round=stats.samples)
+        decision = protocol.barrier(
+            self.me(),
+            self._visible(),
+            now=time.monotonic(),
+            deadline=float("inf"),  # the barrier's own deadline counts from the end of the inner phase
+            swarm_finished=self.memory.swarm_finished,
+            num_rounds=self.cfg.outer.num_rounds,
+            not_waited=self.memory.waited_out(self.round),
+        )
+        if decision.state != BarrierState.WAIT:
+            return False
+        stats.steps_while_waiting += 1
+        return True
 
     def _replica_steps(self, members: Sequence[str], records: dict[str, ProgressRecord]) -> int:
         """The steps each replica of ``members`` does in a verifiable round (``inner.replica_steps``), from
@@ -1197,7 +1238,7 @@ class Trainer:
             waiting.update(f"round {round_}: averaging", peers=len(group) + 1)
             report = self.diloco.sync(
                 None if alone else self.averager,
-                weight=stats.weight if stats.weight is not None else max(stats.samples, 1),
+                weight=stats.sent_weight,
                 round=round_,
                 fallback=self._may_step_alone,
             )
@@ -1299,6 +1340,7 @@ class Trainer:
             val_loss=None if val_loss is None else round(val_loss, 4),
             evaluated_by=evaluated_by[-8:] if evaluated_by is not None else None,
             samples=stats.samples,
+            steps_while_waiting=stats.steps_while_waiting,
             shard=stats.shard,
             group_size=report.group_size,
             outlier_parts=sum(report.outliers.values()),

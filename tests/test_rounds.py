@@ -213,6 +213,45 @@ def test_rounds_by_time_a_slow_peer_does_fewer_steps_weighted_by_its_samples_and
     assert sum(swarm.weights[("fast", r)] for r in range(4)) == 4 * fast
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_fast_peer_trains_on_while_a_slow_one_finishes_up_to_its_cap_weighing_a_full_round(
+    tmp_path, monkeypatch, overlap
+):
+    from p2ptrain import trainer
+
+    steps: dict[str, int] = {}
+    real_step = trainer.inner_step
+
+    def inner_step(*args, **kwargs):
+        name = threading.current_thread().name
+        steps[name] = steps.get(name, 0) + 1
+        if name == "trainer-slow":
+            time.sleep(0.1)  # the fast peer is done long before: it trains on
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(trainer, "inner_step", inner_step)
+    swarm = MemorySwarm()
+    cap = 4
+    peers = start(
+        swarm,
+        tmp_path,
+        ["fast", "slow"],
+        inner={"max_steps_while_waiting": cap},
+        outer={"overlap": overlap},
+    )
+    finish(peers)
+    assert_swarm_contract(tmp_path, peers, ["fast", "slow"])
+    H, B, rounds = (peers["fast"].cfg.inner.num_inner_steps, peers["fast"].cfg.inner.batch_size, 4)
+    for p in peers.values():
+        assert p.trainer.rounds_applied == [0, 1, 2, 3] and p.trainer.last_group_size == 2
+    fast, slow = steps["trainer-fast"], steps["trainer-slow"]
+    assert slow < fast and rounds * H < fast <= rounds * (H + cap), (
+        f"fast {fast}, slow {slow} steps: the fast one past H, at most {cap} more a round"
+    )
+    for round_ in range(rounds):  # steps past H add progress, not weight: both count as a full round
+        assert swarm.weights[("fast", round_)] == swarm.weights[("slow", round_)] == H * B
+
+
 def test_a_late_joiner_loads_the_swarms_state_and_trains_with_it(tmp_path):
     swarm = MemorySwarm()
     rounds = {"outer": {"num_rounds": 6}, "averaging": {"target_group_size": 3}}
