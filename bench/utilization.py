@@ -69,6 +69,9 @@ SETTINGS: dict[str, tuple[str, list[str]]] = {
 }
 
 
+WITHOUT_OVERLAP = {"overlap": "default", "overlap_train_on": "train_on"}
+"""Each overlapping setting and the one it differs from only by overlap (the quality table's ratio)."""
+
 TRAFFIC_SETS = [f"inner.round_seconds={4.0}", "inner.num_inner_steps=100000"]
 """The traffic-against-size runs: 4 s rounds by time."""
 
@@ -312,6 +315,50 @@ def _run_swarm_sampled(base, workdir, peers, extra, sampler, net):
         sampler.stop()
 
 
+def seed_summary(r: dict) -> dict:
+    """What the quality table needs of one run: its final val loss, samples, pace and utilization."""
+    peers = r["peers"]
+    return {
+        "final_val_loss": r["final_val_loss"],
+        "samples": sum(p["samples"] for p in peers),
+        "seconds_per_round": round(sum(p["seconds_per_round"] for p in peers) / len(peers), 2),
+        "utilization": round(sum(r["utilization"]) / len(r["utilization"]), 3),
+    }
+
+
+def quality_rows(by_seed: dict[str, dict[str, dict]]) -> list[str]:
+    """Final val loss by seed, each overlapping setting against the same setting without overlap, seed by
+    seed (one seed moves this short run's final loss by several percent: only ratios over seeds tell)."""
+    rows = [
+        "| setting | seeds | final val loss by seed | mean | vs the same without overlap, seed by seed (mean) "
+        "| vs the default, seed by seed (mean) | samples trained, all peers (mean) | s per round (mean) "
+        "| utilization (mean) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+
+    def ratio(name: str, base: str | None) -> str:
+        if base is None or base not in by_seed:
+            return "—"
+        common = sorted(set(by_seed[name]) & set(by_seed[base]), key=int)
+        if not common:
+            return "—"
+        rs = [by_seed[name][s]["final_val_loss"] / by_seed[base][s]["final_val_loss"] for s in common]
+        return f"{', '.join(f'{x - 1:+.1%}' for x in rs)} ({mean(rs) - 1:+.1%})"
+
+    for name, runs in by_seed.items():
+        order = sorted(runs, key=int)
+        losses = [runs[s]["final_val_loss"] for s in order]
+        rows.append(
+            f"| {name} | {', '.join(order)} | {', '.join(f'{x:.4f}' for x in losses)} | {mean(losses):.4f} "
+            f"| {ratio(name, WITHOUT_OVERLAP.get(name))} | {ratio(name, 'default' if name != 'default' else None)} "
+            f"| {mean([runs[s]['samples'] for s in order]):,.0f} "
+            f"| {mean([runs[s]['seconds_per_round'] for s in order]):.2f} "
+            f"| {mean([runs[s]['utilization'] for s in order]):.2f} |"
+        )
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=16)
@@ -319,16 +366,33 @@ def main() -> None:
     ap.add_argument("--only", nargs="*", default=list(SETTINGS), choices=list(SETTINGS))
     ap.add_argument("--traffic-peers", type=int, nargs="*", default=[2, 3, 4, 6])
     ap.add_argument("--workdir", type=Path, default=ROOT / "runs" / "bench-utilization")
+    ap.add_argument(
+        "--seeds",
+        type=int,
+        nargs="+",
+        default=[0],
+        help="run.seed of each setting's runs; the phase table shows seed 0's, the quality table every seed's",
+    )
     args = ap.parse_args()
     results = {}
+    by_seed: dict[str, dict[str, dict]] = {}
     for name in args.only:
         label, sets = SETTINGS[name]
-        print(f"{name}: {label}", flush=True)
         overlapped = "outer.overlap=true" in sets
-        results[name] = run(name, sets, args.peers, args.rounds, args.workdir / name, overlapped=overlapped)
-        print(
-            f"  utilization {results[name]['utilization']}, shares {results[name]['mean_shares']}", flush=True
-        )
+        for seed in args.seeds:
+            print(f"{name}, seed {seed}: {label}", flush=True)
+            r = run(
+                f"{name}-seed{seed}",
+                [*sets, f"run.seed={seed}"],
+                args.peers,
+                args.rounds,
+                args.workdir / f"{name}-seed{seed}",
+                overlapped=overlapped,
+            )
+            by_seed.setdefault(name, {})[str(seed)] = seed_summary(r)
+            if seed == 0:
+                results[name] = r
+            print(f"  utilization {r['utilization']}, shares {r['mean_shares']}", flush=True)
     # Traffic against swarm size, in rounds by time: every size's rounds last as long (by steps, N peers on one
     # machine's CPUs train N times slower, and what a peer sends each second would count N times per round).
     traffic = {}
@@ -347,6 +411,13 @@ def main() -> None:
     )
     results = {k: results.get(k) or earlier.get("results", {}).get(k) for k in SETTINGS}
     results = {k: v for k, v in results.items() if v is not None}
+    seeds = earlier.get("by_seed", {})
+    for name, runs in by_seed.items():
+        seeds.setdefault(name, {}).update(runs)
+    for name, r in results.items():  # seed 0's runs of a results file from before seeds were kept
+        if all("samples" in p for p in r["peers"]):
+            seeds.setdefault(name, {}).setdefault("0", seed_summary(r))
+    by_seed = {k: seeds[k] for k in SETTINGS if k in seeds}
     if not traffic:
         traffic = {int(n): t for n, t in earlier.get("traffic_by_peers", {}).items()}
     out = {
@@ -354,6 +425,7 @@ def main() -> None:
         "experiment": {"config": "configs/default.yaml", "peers": args.peers, "rounds": args.rounds},
         "traffic_sets": TRAFFIC_SETS,
         "results": results,
+        "by_seed": by_seed,
         "traffic_by_peers": traffic,
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
@@ -377,6 +449,9 @@ def main() -> None:
             f"{traffic_kb} | {samples} | {r['final_val_loss']:.4f} |"
         )
     replace_block("utilization", rows)
+    print("\n".join(rows))
+    rows = quality_rows(by_seed)
+    replace_block("utilization-seeds", rows)
     print("\n".join(rows))
     smallest = traffic[min(traffic)]["non_payload_bytes_per_round"] if traffic else 1
     rows = [

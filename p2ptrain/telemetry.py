@@ -96,6 +96,12 @@ WAIT_SECONDS = Counter(
     registry=PEER,
 )
 WAIT_PHASES = ("barrier", "verify", "sync", "eval")
+STEPS_WHILE_WAITING = Counter(
+    "p2ptrain_inner_steps_while_waiting",
+    "With inner.max_steps_while_waiting: inner steps taken past a round's H while its slower peers finished "
+    "theirs (also in p2ptrain_inner_steps).",
+    registry=PEER,
+)
 STALE_STEPS = Gauge(
     "p2ptrain_stale_inner_steps",
     "With outer.overlap: the inner steps of this round taken from the local params before the last round's "

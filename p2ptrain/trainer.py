@@ -793,6 +793,7 @@ class Trainer:
         if decision.state != BarrierState.WAIT:
             return False
         stats.steps_while_waiting += 1
+        telemetry.STEPS_WHILE_WAITING.inc()
         return True
 
     def _replica_steps(self, members: Sequence[str], records: dict[str, ProgressRecord]) -> int:
