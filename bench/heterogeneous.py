@@ -1,9 +1,11 @@
 """Heterogeneous devices: three real peers of the default experiment on 127.0.0.1, one of them confined to a
-fraction of a CPU core (a cgroup v1 CPU quota, as a slow laptop beside two fast machines), trained twice in
+fraction of a CPU core (a cgroup v1 CPU quota, as a slow laptop beside two fast machines), trained three ways in
 one go with everything else equal:
 
 - **rounds by steps** (``inner.num_inner_steps``): every peer does 15 steps a round, so the swarm runs at the
   slow peer's pace and the fast ones wait for it;
+- **rounds by steps, training on** (``inner.max_steps_while_waiting``): the same, but a fast peer done with
+  its 15 steps trains on, up to ``TRAIN_ON`` steps more, while the slow one finishes;
 - **rounds by time** (``inner.round_seconds``): each peer trains until the round's deadline and is weighted
   by the samples it processed.
 
@@ -37,6 +39,8 @@ from p2ptrain.localswarm import LOOPBACK, run_swarm
 ROOT = Path(__file__).resolve().parent.parent
 CGROUP_ROOT = Path("/sys/fs/cgroup/cpu")
 PEERS = 3
+TRAIN_ON = 45
+"""inner.max_steps_while_waiting of the third run: the fast peers train at most 4 x 15 steps a round."""
 
 
 def make_cgroup(quota: float) -> Path:
@@ -126,6 +130,12 @@ def main() -> None:
     try:
         results = {
             "by_steps": run("steps", [rounds], cgroup, args.workdir / "by-steps"),
+            "by_steps_train_on": run(
+                "steps-train-on",
+                [rounds, f"inner.max_steps_while_waiting={TRAIN_ON}"],
+                cgroup,
+                args.workdir / "by-steps-train-on",
+            ),
             "by_time": run(
                 "time",
                 [rounds, f"inner.round_seconds={args.round_seconds}", "inner.num_inner_steps=10000"],
@@ -169,6 +179,7 @@ def main() -> None:
             "round | rounds the slow peer contributed to |",
             "| --- | ---: | ---: | ---: | --- | ---: | --- | --- |",
             row("by steps (15 a round)", results["by_steps"]),
+            row(f"by steps, training on while waiting (up to {TRAIN_ON} more)", results["by_steps_train_on"]),
             row(f"by time ({args.round_seconds:g} s a round)", results["by_time"]),
             "",
             f"3 peers of configs/default.yaml ({args.rounds} rounds, 1 thread each, groups of all 3), the third "
