@@ -729,7 +729,8 @@ class Trainer:
                     stats.dropped = True  # that sync failed or went stale: these steps are dropped
                     break
                 if self.schedule is not None and self.schedule.check() is not None:
-                    stats.paused = True
+                    # Past H the round's work is done and the others count us ready: average it, then pause.
+                    stats.paused = stats.steps < steps
                     break
                 step_started = time.monotonic()
                 x, y = next(batches)

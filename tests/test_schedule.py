@@ -126,6 +126,55 @@ def test_a_paused_peer_costs_the_others_no_wait_and_rejoins_on_its_own(tmp_path)
     assert all(peers[n].trainer.rounds_applied == list(range(8)) for n in ("a", "b"))
 
 
+def test_a_pause_while_training_on_past_h_averages_the_round_first(tmp_path, monkeypatch):
+    """inner.max_steps_while_waiting: past its H steps a peer is averaging in the others' eyes; a pause
+    then must not drop its round (the others' group expects it), only follow it."""
+    from p2ptrain import trainer as trainer_module
+
+    swarm, machine = MemorySwarm(), FakeMachine()
+    sections = {
+        "swarm": {"min_peers": 2},
+        "averaging": {"target_group_size": 2},
+        "inner": {"max_steps_while_waiting": 1000},  # trains on for as long as the slow peer takes
+    }
+    configs = {
+        "slow": fast_config(tmp_path, "slow", **sections),
+        "fast": fast_config(
+            tmp_path,
+            "fast",
+            **sections,
+            schedule={"max_other_cpu": 0.5, "check_every_s": 0.001, "resume_after_s": 0.2},
+        ),
+    }
+    H = configs["fast"].inner.num_inner_steps
+    steps: dict[str, int] = {}
+    real_step = trainer_module.inner_step
+
+    def inner_step(*args, **kwargs):
+        name = threading.current_thread().name
+        steps[name] = steps.get(name, 0) + 1
+        if name == "trainer-slow":
+            time.sleep(0.1)  # the fast peer is done with round 0 long before the slow one
+        elif steps[name] == H + 2:
+            machine.other_cpu = 0.9  # the volunteer starts a game while its peer trains on past H
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(trainer_module, "inner_step", inner_step)
+
+    def trainer(cfg, **kwargs):
+        return Trainer(cfg, machine=machine if cfg is configs["fast"] else None, **kwargs)
+
+    peers = {name: PeerThread(swarm, name, cfg, trainer_cls=trainer) for name, cfg in configs.items()}
+    peers["fast"].wait_until(lambda t: bool(t.pauses))
+    machine.other_cpu = 0.0
+    finish(peers)
+    assert_swarm_contract(tmp_path, peers, ["fast", "slow"])
+    fast, slow = peers["fast"].trainer, peers["slow"].trainer
+    assert fast.pauses[0][0] == 1, f"paused after averaging round 0, not in it: {fast.pauses}"
+    assert 0 in fast.rounds_applied and 0 in slow.rounds_applied
+    assert swarm.weights[("fast", 0)] == swarm.weights[("slow", 0)], "round 0 averaged the two of them"
+
+
 def test_a_peer_without_a_schedule_reads_no_machine(tmp_path):
     cfg = fast_config(tmp_path, "a")
     assert Trainer(cfg, stop=threading.Event()).schedule is None
