@@ -173,9 +173,11 @@ class InnerConfig(_Section):
     """Rounds by steps: a peer that has done its inner.num_inner_steps goes on training its round, up to this
     many steps more, while the round's slower peers finish theirs, instead of waiting for them at the barrier
     (0: it waits). Its pseudo-gradient then holds more progress but weighs as a full round's
-    (inner.num_inner_steps x inner.batch_size samples), as every other finished peer's. With outer.overlap
-    the next round's steps no longer start before the round's last peer is done: only the all-reduce runs
-    beside them. Not in verifiable rounds (replicas do the same steps) nor with inner.round_seconds."""
+    (inner.num_inner_steps x inner.batch_size samples), as every other finished peer's. A peer whose steps
+    take over a quarter of averaging.matchmaking_time_s does not train on (it would join its group late).
+    With outer.overlap a peer trains on only if the previous round's sync has landed by its H-th step; the
+    next round then starts once the round's last peer is done (or after k steps), so only the all-reduce
+    runs beside it. Not for verifiable rounds (verification.replicas > 1) nor with inner.round_seconds."""
 
 
 class OuterConfig(_Section):
@@ -545,6 +547,21 @@ class ExperimentConfig(BaseSettings):
                     f"{self.model.context_length} and data.val_fraction {self.data.val_fraction} "
                     f"(at least {needed} bytes)"
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _check_training_on(self) -> ExperimentConfig:
+        k = self.inner.max_steps_while_waiting
+        if k and self.inner.round_seconds is not None:
+            raise ValueError(
+                f"inner.max_steps_while_waiting {k} is for rounds by steps: with inner.round_seconds every peer "
+                "already trains until the round's deadline (set one of them)"
+            )
+        if k and self.verification.replicas > 1:
+            raise ValueError(
+                f"inner.max_steps_while_waiting {k} with verification.replicas {self.verification.replicas}: "
+                "replicas of a shard do the same steps, so nobody trains on (set it to 0)"
+            )
         return self
 
     @model_validator(mode="after")

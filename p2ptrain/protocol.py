@@ -359,10 +359,11 @@ def roster_ids(me: Me, others: Records) -> list[str]:
 def next_roster(me: Me, others: Records) -> tuple[int, int]:
     """Our rank and world size in the round after ours, which we train while ours is averaged
     (``outer.overlap``): the peers already in it, and every peer that will be: those in our round, still
-    training it or averaging it, and those still averaging the round before (each of them trains our next
-    round while its sync runs, as we do). A peer still training our round counts: when it starts the next
-    one it counts us (we are averaging ours, which cannot end without it), and a roster that left it out
-    trained the windows it trains (3 real peers, before: a world of 1 or 2 in 30 of 48 inner phases)."""
+    training it or averaging it (as we do, training the next one meanwhile), and those still averaging the
+    round before (they train our round meanwhile, then the next). A peer still training our round counts:
+    when it starts the next one it counts us (we are averaging ours, which cannot end without it), and a
+    roster that left it out trained the windows it trains (3 real peers, before: a world of 1 or 2 in 30 of
+    48 inner phases)."""
     ordered = sorted(_in_or_coming(me, others, me.round) | _live_in(others, me.round + 1))
     return ordered.index(me.peer_id), len(ordered)
 

@@ -88,6 +88,11 @@ class RunResult:
         return self.outcome in (Outcome.FINAL, Outcome.INTERRUPTED)
 
 
+STEP_OF_MATCHMAKING = 0.25
+"""Training on past H (``inner.max_steps_while_waiting``) takes no step longer than this share of
+``averaging.matchmaking_time_s``: a peer that trains on joins its group up to a step after the last peer is
+done, well inside the time the group's leader waits for its members."""
+
 BARRIER_POLL_S = 0.05
 """How often the barrier reads the records (or every half heartbeat, if that is shorter): the round's peers
 leave it within this of the last one's arrival (plus the push that says so). A read asks the DHT child's
@@ -721,7 +726,9 @@ class Trainer:
         extra = 0 if self.verifying or deadline != float("inf") else cfg.inner.max_steps_while_waiting
         with bar:
             while stats.steps < steps + extra:
-                if stats.steps >= steps and not self._train_while_waiting(stats, extra_of=steps):
+                if stats.steps >= steps and not self._train_while_waiting(
+                    stats, extra_of=steps, step_s=step_s
+                ):
                     break
                 if self.stop.is_set() or (stats.steps and time.monotonic() + step_s / 2 >= deadline):
                     break
@@ -772,12 +779,14 @@ class Trainer:
         )
         return stats
 
-    def _train_while_waiting(self, stats: RoundStats, *, extra_of: int) -> bool:
+    def _train_while_waiting(self, stats: RoundStats, *, extra_of: int, step_s: float) -> bool:
         """Past our H steps (``inner.max_steps_while_waiting``): whether to take one more while the round's
         slower peers finish. The first time, we tell them we are done (``averaging``, the full round's weight):
         the barrier then waits for nobody but them. Never while a previous round's sync (overlap) is still in
-        flight: our record speaks for that round, and the barrier after it for this one."""
-        if self._sync is not None:
+        flight: our record speaks for that round, and the barrier after it for this one. Nor when a step is
+        long beside matchmaking: once the last peer is done we join the group a step late at most, and the
+        group's leader waits ``averaging.matchmaking_time_s`` for its members, no longer."""
+        if self._sync is not None or step_s > self.cfg.averaging.matchmaking_time_s * STEP_OF_MATCHMAKING:
             return False
         if stats.steps == extra_of:
             stats.weight_cap = extra_of * self.cfg.inner.batch_size

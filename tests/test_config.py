@@ -120,6 +120,14 @@ def test_docs_config_reference_is_current():
     assert doc.strip() == reference_markdown().strip(), "run: p2ptrain config reference > docs/config.md"
 
 
+def test_training_on_is_for_rounds_by_steps_without_replicas():
+    with pytest.raises(ConfigError, match=r"inner.max_steps_while_waiting 5 is for rounds by steps"):
+        load_config(None, {"inner": {"max_steps_while_waiting": 5, "round_seconds": 3.0}})
+    with pytest.raises(ConfigError, match=r"inner.max_steps_while_waiting 5 with verification.replicas 2"):
+        load_config(None, {"inner": {"max_steps_while_waiting": 5}, "verification": {"replicas": 2}})
+    assert load_config(None, {"inner": {"max_steps_while_waiting": 5}}).inner.max_steps_while_waiting == 5
+
+
 def test_linger_must_outlast_a_failed_sync():
     with pytest.raises(ConfigError, match=r"swarm.linger_s \(30.0\) must be 0 or at least .* = 270.0"):
         load_config(None, {"swarm": {"linger_s": 30}})
