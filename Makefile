@@ -49,7 +49,7 @@ bench: $(STAMP)
 	$(BIN)/python -m bench.replicas
 	$(BIN)/python -m bench.verification
 	$(BIN)/python -m bench.heterogeneous
-	$(BIN)/python -m bench.utilization
+	$(BIN)/python -m bench.utilization --seeds 0 1 2
 	$(BIN)/python -m bench.link
 	$(BIN)/python -m bench.overlap
 	$(BIN)/python -m bench.data
