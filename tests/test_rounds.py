@@ -252,6 +252,36 @@ def test_a_fast_peer_trains_on_while_a_slow_one_finishes_up_to_its_cap_weighing_
         assert swarm.weights[("fast", round_)] == swarm.weights[("slow", round_)] == H * B
 
 
+def test_a_peer_whose_steps_are_long_beside_matchmaking_does_not_train_on(tmp_path, monkeypatch):
+    """It would join its group up to a step after the last peer is done: too late, when a step is more than a
+    quarter of the time the group's leader waits for its members (averaging.matchmaking_time_s)."""
+    from p2ptrain import trainer
+
+    steps: dict[str, int] = {}
+    real_step = trainer.inner_step
+    mm = 0.5  # tests' averaging.matchmaking_time_s: the fast peer's 0.15 s steps are over a quarter of it
+
+    def inner_step(*args, **kwargs):
+        name = threading.current_thread().name
+        steps[name] = steps.get(name, 0) + 1
+        time.sleep(0.3 if name == "trainer-slow" else 0.15)
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(trainer, "inner_step", inner_step)
+    swarm = MemorySwarm()
+    peers = start(
+        swarm,
+        tmp_path,
+        ["fast", "slow"],
+        inner={"max_steps_while_waiting": 4},
+        averaging={"matchmaking_time_s": mm},
+    )
+    finish(peers)
+    assert_swarm_contract(tmp_path, peers, ["fast", "slow"])
+    H = peers["fast"].cfg.inner.num_inner_steps
+    assert steps["trainer-fast"] == 4 * H, f"the fast peer trained on: {steps['trainer-fast']} steps"
+
+
 def test_a_late_joiner_loads_the_swarms_state_and_trains_with_it(tmp_path):
     swarm = MemorySwarm()
     rounds = {"outer": {"num_rounds": 6}, "averaging": {"target_group_size": 3}}
