@@ -63,6 +63,26 @@ def assert_swarm_contract(tmp_path, peers: dict[str, PeerThread], survivors: lis
     return hashes.pop()
 
 
+def slowed_steps(monkeypatch, sleeps: dict[str, float], after=None) -> dict[str, int]:
+    """Count each peer's inner steps, by its trainer thread's name ("trainer-<name>"), sleeping in each step
+    as long as ``sleeps`` says for that peer (a slow device); ``after(thread, steps)`` then, if given."""
+    from p2ptrain import trainer
+
+    steps: dict[str, int] = {}
+    real_step = trainer.inner_step
+
+    def inner_step(*args, **kwargs):
+        name = threading.current_thread().name
+        steps[name] = steps.get(name, 0) + 1
+        time.sleep(sleeps.get(name, 0.0))
+        if after is not None:
+            after(name, steps[name])
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(trainer, "inner_step", inner_step)
+    return steps
+
+
 def test_three_peers_train_every_round_together(tmp_path):
     peers = start(MemorySwarm(), tmp_path, ["a", "b", "c"])
     finish(peers)
@@ -185,19 +205,8 @@ def test_with_eval_every_the_rounds_between_are_not_evaluated_and_the_last_is_by
 def test_rounds_by_time_a_slow_peer_does_fewer_steps_weighted_by_its_samples_and_nobody_waits_for_it(
     tmp_path, monkeypatch
 ):
-    from p2ptrain import trainer
-
-    steps: dict[str, int] = {}
-    real_step = trainer.inner_step
-
-    def inner_step(*args, **kwargs):
-        name = threading.current_thread().name
-        steps[name] = steps.get(name, 0) + 1
-        if name == "trainer-slow":
-            time.sleep(0.2)  # a device many times slower than the others: at most 3 steps a round
-        return real_step(*args, **kwargs)
-
-    monkeypatch.setattr(trainer, "inner_step", inner_step)
+    # A device many times slower than the others: at most 3 steps a round.
+    steps = slowed_steps(monkeypatch, {"trainer-slow": 0.2})
     swarm = MemorySwarm()
     by_time = {"inner": {"round_seconds": 0.4, "num_inner_steps": 100_000, "batch_size": 4}}
     peers = start(swarm, tmp_path, ["fast", "slow"], **by_time)
@@ -217,19 +226,9 @@ def test_rounds_by_time_a_slow_peer_does_fewer_steps_weighted_by_its_samples_and
 def test_a_fast_peer_trains_on_while_a_slow_one_finishes_up_to_its_cap_weighing_a_full_round(
     tmp_path, monkeypatch, overlap
 ):
-    from p2ptrain import trainer
-
-    steps: dict[str, int] = {}
-    real_step = trainer.inner_step
-
-    def inner_step(*args, **kwargs):
-        name = threading.current_thread().name
-        steps[name] = steps.get(name, 0) + 1
-        if name == "trainer-slow":
-            time.sleep(0.1)  # the fast peer is done long before: it trains on
-        return real_step(*args, **kwargs)
-
-    monkeypatch.setattr(trainer, "inner_step", inner_step)
+    steps = slowed_steps(
+        monkeypatch, {"trainer-slow": 0.1}
+    )  # the fast peer is done long before: it trains on
     swarm = MemorySwarm()
     cap = 4
     peers = start(
@@ -255,19 +254,8 @@ def test_a_fast_peer_trains_on_while_a_slow_one_finishes_up_to_its_cap_weighing_
 def test_a_peer_whose_steps_are_long_beside_matchmaking_does_not_train_on(tmp_path, monkeypatch):
     """It would join its group up to a step after the last peer is done: too late, when a step is more than a
     quarter of the time the group's leader waits for its members (averaging.matchmaking_time_s)."""
-    from p2ptrain import trainer
-
-    steps: dict[str, int] = {}
-    real_step = trainer.inner_step
-    mm = 0.5  # tests' averaging.matchmaking_time_s: the fast peer's 0.15 s steps are over a quarter of it
-
-    def inner_step(*args, **kwargs):
-        name = threading.current_thread().name
-        steps[name] = steps.get(name, 0) + 1
-        time.sleep(0.3 if name == "trainer-slow" else 0.15)
-        return real_step(*args, **kwargs)
-
-    monkeypatch.setattr(trainer, "inner_step", inner_step)
+    mm = 0.5  # averaging.matchmaking_time_s: the fast peer's 0.15 s steps are over a quarter of it
+    steps = slowed_steps(monkeypatch, {"trainer-slow": 0.3, "trainer-fast": 0.15})
     swarm = MemorySwarm()
     peers = start(
         swarm,

@@ -13,7 +13,7 @@ from p2ptrain.records import PeerState
 from p2ptrain.schedule import Machine, Reading, Schedule, pause_reason, within
 from p2ptrain.trainer import Trainer
 from tests.memswarm import MemorySwarm, PeerThread, fast_config
-from tests.test_rounds import assert_swarm_contract, finish
+from tests.test_rounds import assert_swarm_contract, finish, slowed_steps
 
 NOON = datetime(2026, 12, 1, 12, 0)
 
@@ -129,8 +129,6 @@ def test_a_paused_peer_costs_the_others_no_wait_and_rejoins_on_its_own(tmp_path)
 def test_a_pause_while_training_on_past_h_averages_the_round_first(tmp_path, monkeypatch):
     """inner.max_steps_while_waiting: past its H steps a peer is averaging in the others' eyes; a pause
     then must not drop its round (the others' group expects it), only follow it."""
-    from p2ptrain import trainer as trainer_module
-
     swarm, machine = MemorySwarm(), FakeMachine()
     sections = {
         "swarm": {"min_peers": 2},
@@ -147,19 +145,13 @@ def test_a_pause_while_training_on_past_h_averages_the_round_first(tmp_path, mon
         ),
     }
     H = configs["fast"].inner.num_inner_steps
-    steps: dict[str, int] = {}
-    real_step = trainer_module.inner_step
 
-    def inner_step(*args, **kwargs):
-        name = threading.current_thread().name
-        steps[name] = steps.get(name, 0) + 1
-        if name == "trainer-slow":
-            time.sleep(0.1)  # the fast peer is done with round 0 long before the slow one
-        elif steps[name] == H + 2:
-            machine.other_cpu = 0.9  # the volunteer starts a game while its peer trains on past H
-        return real_step(*args, **kwargs)
+    def game(thread: str, steps: int) -> None:  # the volunteer starts a game while its peer trains on past H
+        if thread == "trainer-fast" and steps == H + 2:
+            machine.other_cpu = 0.9
 
-    monkeypatch.setattr(trainer_module, "inner_step", inner_step)
+    # The fast peer is done with round 0 long before the slow one.
+    slowed_steps(monkeypatch, {"trainer-slow": 0.1}, after=game)
 
     def trainer(cfg, **kwargs):
         return Trainer(cfg, machine=machine if cfg is configs["fast"] else None, **kwargs)
