@@ -791,16 +791,8 @@ class Trainer:
         if stats.steps == extra_of:
             stats.weight_cap = extra_of * self.cfg.inner.batch_size
             self.board.update(state=PeerState.AVERAGING, samples_round=stats.samples)
-        decision = protocol.barrier(
-            self.me(),
-            self._visible(),
-            now=time.monotonic(),
-            deadline=float("inf"),  # the barrier's own deadline counts from the end of the inner phase
-            swarm_finished=self.memory.swarm_finished,
-            num_rounds=self.cfg.outer.num_rounds,
-            not_waited=self.memory.waited_out(self.round),
-        )
-        if decision.state != BarrierState.WAIT:
+        # No deadline here: the barrier's own counts from the end of the inner phase.
+        if self._barrier_decision(deadline=float("inf")).state != BarrierState.WAIT:
             return False
         stats.steps_while_waiting += 1
         telemetry.STEPS_WHILE_WAITING.inc()
@@ -842,15 +834,7 @@ class Trainer:
         deadline = time.monotonic() + self.cfg.averaging.barrier_timeout_s
         with self._waiting() as waiting:
             while True:
-                decision = protocol.barrier(
-                    self.me(),
-                    self._visible(),
-                    now=time.monotonic(),
-                    deadline=deadline,
-                    swarm_finished=self.memory.swarm_finished,
-                    num_rounds=self.cfg.outer.num_rounds,
-                    not_waited=self.memory.waited_out(self.round),
-                )
+                decision = self._barrier_decision(deadline)
                 if decision.state == BarrierState.STALE:
                     self.log.info(
                         "the swarm moved past this round: dropping our pseudo-gradient", round=self.round
@@ -881,6 +865,18 @@ class Trainer:
             canon = next(r.params_hash for r in decision.ready if r.peer_id in donors)
             self.load_state(donors, why="rebase", expect=canon, rebase=True, round=self.round)
         return decision.ready
+
+    def _barrier_decision(self, deadline: float) -> protocol.Barrier:
+        """The barrier's decision on the records we hold now (go, wait, or stale)."""
+        return protocol.barrier(
+            self.me(),
+            self._visible(),
+            now=time.monotonic(),
+            deadline=deadline,
+            swarm_finished=self.memory.swarm_finished,
+            num_rounds=self.cfg.outer.num_rounds,
+            not_waited=self.memory.waited_out(self.round),
+        )
 
     # ------------------------------------------------------------------- a verifiable round's phases
 
