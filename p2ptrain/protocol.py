@@ -347,7 +347,7 @@ def roster(me: Me, others: Records) -> tuple[int, int]:
     then left honest parts out, as far from two alike). A verifiable round waits for them instead
     (``Trainer._await_roster``).
     """
-    ordered = sorted(_in_or_coming(me, others, me.round))
+    ordered = sorted(_in_or_coming(me, others))
     return ordered.index(me.peer_id), len(ordered)
 
 
@@ -364,7 +364,7 @@ def next_roster(me: Me, others: Records) -> tuple[int, int]:
     when it starts the next one it counts us (we are averaging ours, which cannot end without it), and a
     roster that left it out trained the windows it trains (3 real peers, before: a world of 1 or 2 in 30 of
     48 inner phases)."""
-    ordered = sorted(_in_or_coming(me, others, me.round) | _live_in(others, me.round + 1))
+    ordered = sorted(_in_or_coming(me, others) | _live_in(others, me.round + 1))
     return ordered.index(me.peer_id), len(ordered)
 
 
@@ -374,10 +374,12 @@ def _live_in(others: Records, round_: int) -> set[str]:
     return {pid for pid, r in others.items() if r.round == round_ and r.state in live}
 
 
-def _in_or_coming(me: Me, others: Records, round_: int) -> set[str]:
-    """Us, the live peers of ``round_``, and those still averaging the round before it: they step into it."""
-    previous = {pid for pid, r in others.items() if r.round == round_ - 1 and r.state == PeerState.AVERAGING}
-    return _live_in(others, round_) | previous | {me.peer_id}
+def _in_or_coming(me: Me, others: Records) -> set[str]:
+    """Us, the live peers of our round, and those still averaging the round before it: they step into it."""
+    previous = {
+        pid for pid, r in others.items() if r.round == me.round - 1 and r.state == PeerState.AVERAGING
+    }
+    return _live_in(others, me.round) | previous | {me.peer_id}
 
 
 class BarrierState(str, Enum):

@@ -124,17 +124,6 @@ class RoundStats:
     replica group's size): we send exactly that (reducers refuse any other)."""
     steps_while_waiting: int = 0
     """Steps past H taken while the round's slower peers finished theirs (``inner.max_steps_while_waiting``)."""
-    weight_cap: int | None = None
-    """With steps past H: they weigh nothing more than a full round's samples."""
-
-    @property
-    def sent_weight(self) -> float:
-        """The weight we average our pseudo-gradient with: the verdict's, else our samples (at most a full
-        round's: steps past H add progress, not weight)."""
-        if self.weight is not None:
-            return self.weight
-        samples = self.samples if self.weight_cap is None else min(self.samples, self.weight_cap)
-        return max(samples, 1)
 
     @property
     def loss(self) -> float:
@@ -789,7 +778,6 @@ class Trainer:
         if self._sync is not None or step_s > self.cfg.averaging.matchmaking_time_s * STEP_OF_MATCHMAKING:
             return False
         if stats.steps == extra_of:
-            stats.weight_cap = extra_of * self.cfg.inner.batch_size
             self.board.update(state=PeerState.AVERAGING, samples_round=stats.samples)
         # No deadline here: the barrier's own counts from the end of the inner phase.
         if self._barrier_decision(deadline=float("inf")).state != BarrierState.WAIT:
@@ -1245,7 +1233,7 @@ class Trainer:
             waiting.update(f"round {round_}: averaging", peers=len(group) + 1)
             report = self.diloco.sync(
                 None if alone else self.averager,
-                weight=stats.sent_weight,
+                weight=stats.weight if stats.weight is not None else self._weight_of(stats.samples),
                 round=round_,
                 fallback=self._may_step_alone,
             )
@@ -1289,6 +1277,12 @@ class Trainer:
     def _waiting(self) -> Waiting:
         # A sync in the background (overlap) waits without a spinner: the inner phase's bar has the terminal.
         return Waiting(terminal_progress_enabled(self.cfg.log.format) and self._sync is None, self.log)
+
+    def _weight_of(self, samples: int) -> float:
+        """Our weight in a round that is not verified: our samples, at most a full round's (H x batch, what
+        reducers allow): steps past H (``inner.max_steps_while_waiting``) add progress, not weight."""
+        cfg = self.cfg.inner
+        return max(min(samples, cfg.num_inner_steps * cfg.batch_size), 1)
 
     def _may_step_alone(self) -> bool:
         if protocol.may_step_alone(self.me(), self._visible(), swarm_finished=self.memory.swarm_finished):
