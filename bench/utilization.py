@@ -49,7 +49,11 @@ PHASES = ("inner", "barrier", "verify", "sync", "eval")
 
 SETTINGS: dict[str, tuple[str, list[str]]] = {
     "every_peer_evaluates": ("every peer evaluates every round (data.eval_by=all)", ["data.eval_by=all"]),
-    "default": ("the default: one peer of the group evaluates, in turn", []),
+    "default": ("the default: one peer of the group evaluates, in turn, in the background", []),
+    "eval_inline": (
+        "one peer evaluates, in turn, before it trains the next round (device.evaluate_in_background=false)",
+        ["device.evaluate_in_background=false"],
+    ),
     "eval_every_4": (
         "the default, evaluating after every 4th round only (data.eval_every=4)",
         ["data.eval_every=4"],
@@ -61,6 +65,10 @@ SETTINGS: dict[str, tuple[str, list[str]]] = {
     "train_on": (
         "the default, training on while the round's slower peers finish (inner.max_steps_while_waiting=15)",
         ["inner.max_steps_while_waiting=15"],
+    ),
+    "train_on_eval_inline": (
+        "training on, and evaluating before training the next round (device.evaluate_in_background=false)",
+        ["inner.max_steps_while_waiting=15", "device.evaluate_in_background=false"],
     ),
     "overlap_train_on": (
         "overlap and training on while the slower peers finish",

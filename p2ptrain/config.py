@@ -408,6 +408,12 @@ class DeviceConfig(_Section):
     benchmark_steps: int = Field(default=3, ge=0)
     """Inner steps of the run's model timed on a copy of it when the peer starts: its speed (samples/s and an
     estimate of FLOP/s) goes into its record, `p2ptrain status` and the metrics. 0: no benchmark."""
+    evaluate_in_background: bool = True
+    """Compute this peer's validation losses (data.eval_by) on a copy of the model, in a background thread,
+    while the next round trains, instead of before it: the round's other peers then wait for nobody's
+    evaluation at the next barrier. It costs one more copy of the model's params on the device, and the
+    evaluation shares the device with training meanwhile. The round's log line comes when its evaluation
+    ends. Never for the last round. false: evaluate first, then train."""
 
 
 class CheckpointConfig(_Section):

@@ -242,11 +242,13 @@ class Trainer:
         self._sync: _Background | None = None
         """The round whose sync is in flight (overlap), until it lands."""
         self._evaluating: _Background | None = None
-        """A landed sync whose evaluation and log line may still be running (overlap)."""
+        """A round whose evaluation and log line may still be running: a landed sync (overlap), or a round
+        evaluated behind the next one (``device.evaluate_in_background``)."""
         self.overlapped: list[tuple[int, int]] = []
         """Every overlapped sync as it landed: (its round, the inner steps of the next round taken meanwhile)."""
         self._eval_model: torch.nn.Module | None = None
-        """With overlap: a copy of the model that evaluates the master params while the model trains."""
+        """With overlap or ``device.evaluate_in_background``: a copy of the model that evaluates the master
+        params while the model trains."""
         self._next_deadline: float | None = None
         """With ``inner.round_seconds``: when the next inner phase ends (set as we leave a barrier)."""
         self.maddrs: list[str] = []
@@ -340,7 +342,7 @@ class Trainer:
                     if group is None:  # our replica group was left out: the round's result comes from others
                         continue
                 report = self.outer_sync(group, stats)
-                self.log_round(report, stats)
+                self.log_round(report, stats, behind=self.cfg.device.evaluate_in_background)
                 self.end_round()
             self.land()
             self._finish_evaluation()
@@ -429,8 +431,8 @@ class Trainer:
                     f"all-reduce in {parts} parts, and a verifiable round binds {MAX_WIRE_PARTS} at most"
                 )
         error_feedback = ErrorFeedback(self.codec, shapes) if cfg.averaging.error_feedback else None
-        if self.overlapping:  # evaluates the master params while the model trains the next round
-            self._eval_model = copy.deepcopy(self.model)
+        if self.overlapping or cfg.device.evaluate_in_background:
+            self._eval_model = copy.deepcopy(self.model)  # evaluates the master params while the model trains
         self.diloco = DiLoCo(
             self.model,
             lr=cfg.outer.lr,
@@ -458,6 +460,8 @@ class Trainer:
         if cfg.device.num_threads:
             torch.set_num_threads(cfg.device.num_threads)
         self.model.to(self.device)
+        if self._eval_model is not None:
+            self._eval_model.to(self.device)
         self.inner_opt = make_optimizer(self.diloco.model_params, cfg.inner)
         self.inner_steps_total = 0
         self.samples_total = 0
@@ -1290,7 +1294,12 @@ class Trainer:
         self.log.warning("averaging failed and the swarm moved on; will load its state", round=self.round)
         return False
 
-    def log_round(self, report: OuterStepReport, stats: RoundStats) -> None:
+    def log_round(self, report: OuterStepReport, stats: RoundStats, *, behind: bool = False) -> None:
+        """The round's warnings, its evaluation if it is ours, its metrics and its log line.
+
+        ``behind`` (``device.evaluate_in_background``): our evaluation runs on a copy of the new params in a
+        background thread while the next round trains, and the log line follows it there; never the last
+        round's, which every peer evaluates before it ends."""
         if report.failure == "non_finite":
             self.log.warning(
                 "pseudo-gradient has NaN or Inf: not sent, this round's local work dropped, state kept",
@@ -1314,16 +1323,43 @@ class Trainer:
         )
         if evaluated_by is not None and self.cfg.data.eval_by == "all":
             evaluated_by = self.peer_id
-        if self.round >= self.cfg.outer.num_rounds:
+        last = self.round >= self.cfg.outer.num_rounds
+        if last:
             evaluated_by = self.peer_id
+        done = functools.partial(self._round_done, duration=duration, evaluated_by=evaluated_by, at=self.round)
+        if evaluated_by == self.peer_id and behind and not last:
+            self._finish_evaluation()  # one at a time, in order
+            self._load_eval_model()  # the params as they are now: the next outer step may come before it ends
+            self._evaluating = _Background(
+                lambda _: report,
+                functools.partial(done, on_copy=True),
+                stats,
+                round=report.round,
+                steps=self.inner_steps_total,
+            )
+        else:
+            done(report, stats)
+
+    def _round_done(
+        self,
+        report: OuterStepReport,
+        stats: RoundStats,
+        *,
+        duration: float,
+        evaluated_by: str | None,
+        at: int,
+        on_copy: bool = False,
+    ) -> None:
+        """The round's evaluation when it is ours (the round has brought us to round ``at``; ``on_copy``: of
+        the params already in the evaluation copy), then its metrics and its log line."""
         val_loss = None
         if evaluated_by == self.peer_id:
             with stats.timing("eval"):
-                val_loss = self._evaluate()
-            self.val_losses.append((self.round, val_loss))
+                val_loss = self._evaluate(on_copy=on_copy)
+            self.val_losses.append((at, val_loss))
         telemetry.observe_outer_step(
             report,
-            round=self.round,
+            round=at,
             duration_s=duration,
             phases={
                 "barrier": stats.barrier_s,
@@ -1357,15 +1393,22 @@ class Trainer:
             eval_s=round(stats.eval_s, 3),
         )
 
-    def _evaluate(self) -> float:
-        """The validation loss of the master params: the model's, or, while it trains on (overlap), a copy's."""
+    def _load_eval_model(self) -> None:
+        """Copy the master params into the evaluation copy of the model."""
+        assert self._eval_model is not None, "setup() makes it"
+        params = self.diloco.snapshot().params
+        with torch.no_grad():
+            for p, m in zip((p for p in self._eval_model.parameters() if p.requires_grad), params):
+                p.copy_(m.to(p.device, p.dtype))
+
+    def _evaluate(self, *, on_copy: bool = False) -> float:
+        """The validation loss of the master params: the model's, or, while it trains on (overlap), the
+        evaluation copy's; ``on_copy``: of the params already loaded into the copy."""
         model: torch.nn.Module = self.model
-        if self.overlapping:
+        if self.overlapping and not on_copy:
+            self._load_eval_model()
+        if self.overlapping or on_copy:
             assert self._eval_model is not None, "setup() makes it"
-            params = self.diloco.snapshot().params
-            with torch.no_grad():
-                for p, m in zip((p for p in self._eval_model.parameters() if p.requires_grad), params):
-                    p.copy_(m.to(p.device, p.dtype))
             model = self._eval_model
         return evaluate(model, self.corpus, self.cfg, self.device)["val_loss"]
 

@@ -192,6 +192,52 @@ def test_matchmaking_expects_the_barriers_group_and_one_peer_of_it_evaluates_eac
     assert len({name for name, rounds in evaluated.items() if set(rounds) - {last}}) > 1  # in turn
 
 
+@pytest.mark.parametrize("background", [True, False])
+def test_a_peer_evaluates_a_copy_of_the_rounds_params_while_it_trains_the_next_round(
+    tmp_path, monkeypatch, background
+):
+    from p2ptrain import trainer
+
+    steps = slowed_steps(monkeypatch, {})
+    seen: list[tuple[str, int, bool, bool]] = []  # peer, its round, trained meanwhile, the round's params
+    real_evaluate = trainer.evaluate
+    peers: dict[str, PeerThread] = {}
+
+    def evaluate(model, corpus, cfg, device):
+        name = cfg.checkpoint.dir.name
+        t = peers[name].trainer
+        inline = threading.current_thread().name == f"trainer-{name}"
+        if t.round < cfg.outer.num_rounds and not inline:
+            before = steps.get(f"trainer-{name}", 0)
+            deadline = time.monotonic() + 30
+            while steps.get(f"trainer-{name}", 0) == before and time.monotonic() < deadline:
+                time.sleep(0.01)
+            # The next outer step comes only after the next round's steps: the master params are still
+            # the round's we evaluate (a copy loaded too late or too early would hold others).
+            same = all(
+                torch.equal(p.detach().cpu(), m)
+                for p, m in zip((p for p in model.parameters() if p.requires_grad), t.diloco.master)
+            )
+            seen.append((name, t.round, steps.get(f"trainer-{name}", 0) > before, same and model is not t.model))
+        elif t.round < cfg.outer.num_rounds:
+            seen.append((name, t.round, False, model is t.model))
+        return real_evaluate(model, corpus, cfg, device)
+
+    monkeypatch.setattr(trainer, "evaluate", evaluate)
+    peers.update(
+        start(MemorySwarm(), tmp_path, ["a", "b"], device={"evaluate_in_background": background})
+    )
+    finish(peers)
+    assert_swarm_contract(tmp_path, peers, ["a", "b"])
+    # One evaluation after each round but the last (which both peers evaluate in their own thread).
+    assert sorted(r for _, r, _, _ in seen) == list(range(1, peers["a"].cfg.outer.num_rounds)), seen
+    assert all(right for *_, right in seen), seen
+    # In the background, the evaluating peer trained the next round meanwhile; otherwise it did not.
+    assert all(trained == background for _, _, trained, _ in seen), seen
+    for p in peers.values():
+        assert [r for r, _ in p.trainer.val_losses] == sorted(r for r, _ in p.trainer.val_losses)
+
+
 def test_with_eval_every_the_rounds_between_are_not_evaluated_and_the_last_is_by_every_peer(tmp_path):
     memswarm = MemorySwarm()
     peers = start(memswarm, tmp_path, ["a", "b"], outer={"num_rounds": 4}, data={"eval_every": 2})
