@@ -168,7 +168,7 @@ def save(
         "state_hash": _all_tensors_hash(tensors),
         "counters": json.dumps(counters or {}),
         "swarm": json.dumps(swarm or {}),
-        "config": json.dumps(cfg.model_dump(mode="json")),
+        "config": cfg.to_json(),  # fields at their defaults left out: a release that adds fields reads it
     }
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -250,7 +250,9 @@ def _embedded_config(path: Path, text: str | None) -> ExperimentConfig:
         return ExperimentConfig.model_validate(data)
     except ValidationError as e:
         problems = format_validation_error(e).replace("\n", "; ")
-        raise CheckpointError(f"{path}: its embedded config is invalid: {problems}") from None
+        newer = any(item["type"] == "extra_forbidden" for item in e.errors())
+        hint = " (a newer release's fields: upgrade p2ptrain to read this file)" if newer else ""
+        raise CheckpointError(f"{path}: its embedded config is invalid: {problems}{hint}") from None
     except (ConfigError, ValueError, RecursionError) as e:
         raise CheckpointError(
             f"{path}: its embedded config is invalid: {str(e).splitlines()[0][:200]}"

@@ -630,13 +630,20 @@ class ExperimentConfig(BaseSettings):
     def training_sections(self) -> dict[str, Any]:
         """The sections a run's peers share (:data:`TRAINING_SECTIONS`), as JSON: what the swarm publishes as
         its experiment (``experiment.py``). The data is named by its content (``data.sha256``), never by its
-        path, which is each peer's own."""
+        path, which is each peer's own. A field at its default is left out (:func:`training_defaults`):
+        so a release that adds a field leaves every run that does not set it as it was (the same
+        experiment, the same training hash), and an older release can still read it."""
         from p2ptrain.data import corpus_digest  # data.py imports this module
 
-        doc = self.model_dump(mode="json", include=set(TRAINING_SECTIONS))
-        doc["data"].pop("path")
+        doc = self.model_dump(mode="json", include=set(TRAINING_SECTIONS), exclude_defaults=True)
+        doc = {name: doc.get(name, {}) for name in TRAINING_SECTIONS}
+        doc["data"].pop("path", None)
         doc["data"]["sha256"] = corpus_digest(self.data)
         return doc
+
+    def to_json(self) -> str:
+        """The whole config as JSON, fields at their defaults left out (a checkpoint embeds it)."""
+        return json.dumps(self.model_dump(mode="json", exclude_defaults=True))
 
     def agreed_sections(self) -> dict[str, Any]:
         """:meth:`training_sections` without :data:`OWN_FIELDS`: what every peer of a run must agree on."""
@@ -655,7 +662,22 @@ class ExperimentConfig(BaseSettings):
 
 
 TRAINING_SECTIONS = ("run", "model", "data", "inner", "outer", "averaging", "verification")
-"""The sections a run's peers share: the swarm publishes them, and a joiner takes them from it."""
+"""The sections a run's peers share: the swarm publishes them, and a joiner takes them from it.
+
+Releases mix: what a run publishes, hashes and embeds in its checkpoints leaves out every field at its
+default, and a reader takes a field left out as its own default. So a release may add a field to these
+sections whose default keeps the old behaviour, and runs of older and newer releases still agree; it must
+never change an existing field's default (the runs that leave it out would then train differently under
+the same hash). ``tests/test_config.py`` holds the defaults as released and fails when one changes."""
+
+
+def training_defaults() -> dict[str, dict[str, Any]]:
+    """Every field of the training sections at its default, as JSON: what a field that a published
+    experiment, a training hash or a checkpoint's config leaves out stands for."""
+    return {
+        name: ExperimentConfig.model_fields[name].default.model_dump(mode="json") for name in TRAINING_SECTIONS
+    }
+
 OWN_SECTIONS = ("swarm", "device", "checkpoint", "schedule", "log", "metrics")
 """The sections that are each peer's own (a volunteer's machine, network and files)."""
 OWN_FIELDS: dict[str, tuple[str, ...]] = {

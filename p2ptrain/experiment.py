@@ -38,6 +38,7 @@ from p2ptrain.config import (
     ExperimentConfig,
     deep_merge,
     load_config,
+    training_defaults,
     without_own_fields,
 )
 from p2ptrain.membership import peer_id_of, peer_id_of_owner
@@ -88,7 +89,8 @@ def canonical(sections: Mapping[str, Any]) -> str:
 
 
 def digest(sections: Mapping[str, Any]) -> str:
-    return hashlib.sha256(canonical(sections).encode()).hexdigest()[:16]
+    """The experiment's identity: the same for the sections of one run whichever release wrote them."""
+    return hashlib.sha256(canonical(sparse(sections)).encode()).hexdigest()[:16]
 
 
 def _signed_bytes(run_id: str, sections: str, created: float) -> bytes:
@@ -193,15 +195,35 @@ def choose(experiments: list[Experiment], run_id: str | None = None) -> Experime
 
 
 def differences(ours: Mapping[str, Any], theirs: Mapping[str, Any]) -> list[str]:
-    """``section.field: OURS here, THEIRS in the swarm`` for every field that differs."""
+    """``section.field: OURS here, THEIRS in the swarm`` for every field that differs. A field that one side
+    leaves out is at its default there (``config.training_defaults``: a newer release leaves out the fields
+    at their defaults, an older one wrote them all); one this release does not know is named as such."""
+    defaults = _flat(training_defaults())
     mine, swarm = _flat(ours), _flat(theirs)
     out = []
     for key in sorted(mine.keys() | swarm.keys()):
-        if mine.get(key, "(unset)") != swarm.get(key, "(unset)"):
+        if key not in defaults and key not in mine:  # a newer release's field, set in the swarm
             out.append(
-                f"{key}: {_show(mine.get(key, '(unset)'))} here, {_show(swarm.get(key, '(unset)'))} in the swarm"
+                f"{key}: not known to this p2ptrain, {_show(swarm[key])} in the swarm (a newer release's field: "
+                "upgrade p2ptrain)"
             )
+            continue
+        here, there = mine.get(key, defaults.get(key)), swarm.get(key, defaults.get(key))
+        if here != there:
+            out.append(f"{key}: {_show(here)} here, {_show(there)} in the swarm")
     return out
+
+
+def sparse(sections: Mapping[str, Any]) -> dict[str, Any]:
+    """Training sections without the fields at their defaults (as :meth:`ExperimentConfig.training_sections`
+    writes them): an older release's full sections and a newer one's sparse ones of one run are equal so."""
+    defaults = training_defaults()
+    return {
+        name: {k: v for k, v in fields.items() if k not in defaults.get(name, {}) or defaults[name][k] != v}
+        if isinstance(fields, Mapping)
+        else fields
+        for name, fields in sections.items()
+    }
 
 
 def peers_count(n: int) -> str:
@@ -255,6 +277,19 @@ def config_for(experiment: Experiment, overrides: dict[str, Any] | None = None) 
             field it set differs from the swarm's.
     """
     base = json.loads(canonical(experiment.sections))  # a deep copy
+    defaults = training_defaults()
+    unknown = sorted(
+        f"{name}.{key}"
+        for name, fields in base.items()
+        for key in fields
+        if key not in defaults.get(name, {}) and (name, key) != ("data", "sha256")
+    )
+    if unknown:
+        raise ConfigError(
+            f"the swarm's experiment {experiment.run_id} (published by {experiment.owner[-8:]}) sets "
+            f"{', '.join(unknown)}, which this p2ptrain does not know: a newer release published it; upgrade "
+            "p2ptrain to join"
+        )
     data = base["data"]
     data.pop("sha256", None)
     overrides = overrides or {}

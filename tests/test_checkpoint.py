@@ -173,6 +173,7 @@ def test_prune_keeps_the_newest_periodic_checkpoints(tmp_path):
         ({"config": json.dumps({"inner": {"lr": "fast"}, "model": {"name": "gpt-huge"}})}, "is invalid: "),
         ({"config": None}, "it carries no experiment config"),
         ({"config": "[1, 2]"}, "not a mapping of sections"),
+        ({"config": json.dumps({"inner": {"lr_wobble": 2.0}})}, "inner.lr_wobble: unknown key (a newer release"),
     ],
 )
 def test_a_crafted_model_file_is_a_one_line_error(tmp_path, metadata, reason):
@@ -248,3 +249,15 @@ def test_what_a_peer_saw_of_another_experiment_is_not_restored(tmp_path):
     other = cfg.model_copy(deep=True)
     other.run.run_id = "another-run"
     assert checkpoint.read_swarm_memory(tmp_path / "final.safetensors", other.training_hash()) == {}
+
+
+def test_a_model_file_embeds_only_what_differs_from_the_defaults_and_reads_back_whole(tmp_path):
+    """An older release leaves out the fields it lacks; a newer one reads them back as their defaults."""
+    _, _, _, path = make(tmp_path)
+    with safe_open_metadata(path) as metadata:
+        embedded = json.loads(metadata["config"])
+    loaded = checkpoint.load(path)
+    assert "inner" not in embedded or "max_steps_while_waiting" not in embedded["inner"]
+    assert loaded.config.inner.max_steps_while_waiting == 0
+    assert checkpoint.ExperimentConfig.model_validate(embedded).training_hash() == loaded.config.training_hash()
+

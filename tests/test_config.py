@@ -193,3 +193,27 @@ def test_verification_refuses_dropout_error_feedback_and_more_than_three_replica
     with pytest.raises(ConfigError, match=r"verification\.replicas: .*less than or equal to 3"):
         load_config(write(tmp_path, "verification:\n  replicas: 4\n"))
     assert load_config(write(tmp_path, "verification:\n  replicas: 2\n")).verification.replicas == 2
+
+
+def test_no_release_changes_or_drops_a_default_of_the_training_sections():
+    """What a run publishes, hashes and embeds leaves out the fields at their defaults (config.TRAINING_SECTIONS):
+    a changed or dropped default would make runs of two releases train differently under one hash.
+    Regenerate the file after adding a field: python -c "import json; from p2ptrain.config import *;
+    print(json.dumps(without_own_fields(training_defaults()), indent=1, sort_keys=True))" """
+    import json
+
+    from p2ptrain.config import training_defaults, without_own_fields
+
+    released = json.loads((ROOT / "tests" / "released_defaults.json").read_text())
+    now = without_own_fields(training_defaults())  # each peer's own (timeouts): not in the hash
+    changed = [
+        f"{name}.{key}: {value!r} released, {now.get(name, {}).get(key, '(dropped)')!r} now"
+        for name, fields in released.items()
+        for key, value in fields.items()
+        if now.get(name, {}).get(key, "(dropped)") != value
+    ]
+    assert not changed, f"a default of the training sections changed, which breaks mixed releases: {changed}"
+    added = [f"{name}.{key}" for name, fields in now.items() for key in fields if key not in released.get(name, {})]
+    assert not added, (
+        f"new fields {added}: add them to tests/released_defaults.json (their defaults are released from then on)"
+    )

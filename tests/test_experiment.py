@@ -10,12 +10,13 @@ from hivemind.dht.schema import RSASignatureValidator
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.timed_storage import ValueWithExpiration
 
-from p2ptrain.config import ConfigError, load_config
+from p2ptrain.config import TRAINING_SECTIONS, ConfigError, load_config, training_defaults
 from p2ptrain.experiment import (
     ExperimentError,
     check,
     choose,
     config_for,
+    digest,
     published,
     sign,
     subkey,
@@ -64,9 +65,8 @@ def test_a_signed_experiment_verifies_and_names_its_owner(keys):
 
 def test_a_tampered_or_forged_experiment_is_refused(keys):
     record = sign(cfg_of(), keys[0])
-    assert (
-        verified(record.copy(update={"sections": record.sections.replace('"lr":0.002', '"lr":0.2')})) is None
-    )
+    tampered = record.sections.replace('"num_rounds":3', '"num_rounds":30')
+    assert tampered != record.sections and verified(record.copy(update={"sections": tampered})) is None
     other = sign(cfg_of(**{"inner__lr": 0.2}), keys[1])
     assert verified(record.copy(update={"signature": other.signature})) is None, "another key's signature"
     assert verified(record.copy(update={"owner_key": other.owner_key})) is None
@@ -120,6 +120,39 @@ def test_a_config_that_differs_is_refused_naming_every_field(keys):
     assert "inner.lr: 0.001 here, 0.002 in the swarm" in message
     assert "outer.num_rounds: 5 here, 3 in the swarm" in message
     assert "exp-test" in message
+
+
+def test_releases_mix_a_field_left_out_is_its_default_and_a_newer_ones_field_is_named(keys):
+    cfg = cfg_of()
+    ours = verified(sign(cfg, keys[0]))
+    assert ours is not None and "max_steps_while_waiting" not in ours.sections["inner"]
+    # An older release wrote every field, defaults included: the same experiment, accepted as it is.
+    full = cfg.model_dump(mode="json", include=set(TRAINING_SECTIONS))
+    full["data"].pop("path")
+    full["data"]["sha256"] = ours.sections["data"]["sha256"]
+    older = dataclasses.replace(ours, sections=full, digest=digest(full))
+    assert older.digest == ours.digest
+    check(cfg, older)
+    assert config_for(older).training_hash() == cfg.training_hash()
+    with pytest.raises(ConfigError, match="inner.lr: 0.001 here, 0.002 in the swarm"):
+        check(cfg_of(inner__lr=0.001), older)
+    # A newer release's field, set in the swarm: named, with what to do; never a traceback.
+    newer_sections = {**ours.sections, "inner": {**ours.sections["inner"], "lr_wobble": 2.0}}
+    newer = dataclasses.replace(ours, sections=newer_sections, digest=digest(newer_sections))
+    with pytest.raises(ConfigError) as e:
+        config_for(newer)
+    assert "inner.lr_wobble" in str(e.value) and "upgrade p2ptrain" in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match="inner.lr_wobble: not known to this p2ptrain, 2.0 in the swarm"):
+        check(cfg, newer)
+
+
+def test_the_training_hash_does_not_see_fields_set_to_their_defaults():
+    explicit = {
+        name: {k: v for k, v in fields.items() if (name, k) != ("data", "path")}
+        for name, fields in training_defaults().items()
+    }
+    assert load_config(None, explicit).training_hash() == load_config(None, {}).training_hash()
+    assert load_config(None, {}).training_sections()["inner"] == {}
 
 
 def test_timeouts_and_group_sizes_are_each_peers_own(keys):
