@@ -1327,8 +1327,9 @@ class Trainer:
         if last:
             evaluated_by = self.peer_id
         done = functools.partial(self._round_done, duration=duration, evaluated_by=evaluated_by, at=self.round)
+        if behind:  # the training thread: the one before first (its log line, its val loss), in order
+            self._finish_evaluation()
         if evaluated_by == self.peer_id and behind and not last:
-            self._finish_evaluation()  # one at a time, in order
             self._load_eval_model()  # the params as they are now: the next outer step may come before it ends
             self._evaluating = _Background(
                 lambda _: report,
