@@ -17,7 +17,7 @@ import fcntl
 import json
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,7 +26,7 @@ from pydantic import ValidationError
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from p2ptrain.config import ConfigError, ExperimentConfig, format_validation_error, load_config
+from p2ptrain.config import ConfigError, ExperimentConfig, deep_merge, format_validation_error, load_config
 from p2ptrain.diloco import DiLoCo, tensors_hash
 
 FORMAT = "p2ptrain/1"
@@ -246,8 +246,11 @@ def _embedded_config(path: Path, text: str | None) -> ExperimentConfig:
         raise CheckpointError(f"{path}: its embedded config is not valid JSON ({type(e).__name__})") from None
     if not isinstance(data, dict):
         raise CheckpointError(f"{path}: its embedded config is not a mapping of sections")
+    # Every field left out is the default (config.TRAINING_SECTIONS), never the reader's environment
+    # (P2PTRAIN_* variables would fill the gaps of a settings model): the defaults go in first.
+    defaults = {name: f.default.model_dump(mode="json") for name, f in ExperimentConfig.model_fields.items()}
     try:
-        return ExperimentConfig.model_validate(data)
+        return ExperimentConfig.model_validate(deep_merge(defaults, data))
     except ValidationError as e:
         problems = format_validation_error(e).replace("\n", "; ")
         newer = any(item["type"] == "extra_forbidden" for item in e.errors())
@@ -294,14 +297,15 @@ class TrainingState:
             )
 
 
-def load_state(model: torch.nn.Module, path: Path, config_hash: str) -> TrainingState:
-    """Read a checkpoint's full training state for ``model``.
+def load_state(model: torch.nn.Module, path: Path, config_hash: str | Collection[str]) -> TrainingState:
+    """Read a checkpoint's full training state for ``model``, if its training hash is ``config_hash`` (or
+    one of them: ``ExperimentConfig.resumable_hashes``).
 
     Raises:
         CheckpointError: unreadable, of another experiment config, or failing its recorded checksums.
     """
     loaded = load(path)
-    if loaded.metadata.get("config_hash") != config_hash:
+    if loaded.metadata.get("config_hash") not in _hashes(config_hash):
         raise CheckpointError(
             f"{path}: written by a different experiment config (run, model, data, inner or outer)"
         )
@@ -347,7 +351,7 @@ def resume_latest(
     model: torch.nn.Module,
     diloco: DiLoCo,
     inner_optimizer: torch.optim.Optimizer,
-    config_hash: str,
+    config_hash: str | Collection[str],
     on_refused: Callable[[Path, str], None] = lambda path, reason: None,
 ) -> tuple[Path, TrainingState] | None:
     """Load the newest valid checkpoint of this experiment in ``directory`` into DiLoCo and the inner
@@ -385,7 +389,11 @@ def candidates(directory: Path, *, resumable_only: bool = True) -> list[Path]:
     return sorted(files, key=lambda f: f.stat().st_mtime, reverse=True)
 
 
-def read_swarm_memory(path: Path, config_hash: str) -> dict:
+def _hashes(config_hash: str | Collection[str]) -> frozenset[str]:
+    return frozenset({config_hash} if isinstance(config_hash, str) else config_hash)
+
+
+def read_swarm_memory(path: Path, config_hash: str | Collection[str]) -> dict:
     """What the peer that wrote ``path`` had seen of the swarm ({} if the file does not say, is unreadable, or
     belongs to another experiment: what a peer saw of another run says nothing about this one)."""
     try:
@@ -396,7 +404,7 @@ def read_swarm_memory(path: Path, config_hash: str) -> dict:
             saved = json.loads(metadata.get("swarm", "{}"))
     except (SafetensorError, OSError, ValueError):
         return {}
-    if metadata.get("config_hash") != config_hash:
+    if metadata.get("config_hash") not in _hashes(config_hash):
         return {}
     return saved if isinstance(saved, dict) else {}
 

@@ -412,8 +412,9 @@ class DeviceConfig(_Section):
     """Compute this peer's validation losses (data.eval_by) on a copy of the model, in a background thread,
     while the next round trains, instead of before it: the round's other peers then wait for nobody's
     evaluation at the next barrier. It costs one more copy of the model's params on the device, and the
-    evaluation shares the device with training meanwhile. The round's log line comes when its evaluation
-    ends. Never for the last round. false: evaluate first, then train."""
+    evaluation (its activations too) shares the device with training meanwhile. The round's log line comes
+    when its evaluation ends. Never for the last round, nor on MPS (torch's MPS backend crashes when two
+    threads use it at once: pytorch/pytorch#197805). false: evaluate first, then train."""
 
 
 class CheckpointConfig(_Section):
@@ -637,6 +638,7 @@ class ExperimentConfig(BaseSettings):
 
         doc = self.model_dump(mode="json", include=set(TRAINING_SECTIONS), exclude_defaults=True)
         doc = {name: doc.get(name, {}) for name in TRAINING_SECTIONS}
+        doc["run"]["run_id"] = self.run.run_id  # always: a published experiment is filed under it
         doc["data"].pop("path", None)
         doc["data"]["sha256"] = corpus_digest(self.data)
         return doc
@@ -649,16 +651,29 @@ class ExperimentConfig(BaseSettings):
         """:meth:`training_sections` without :data:`OWN_FIELDS`: what every peer of a run must agree on."""
         return without_own_fields(self.training_sections())
 
-    def training_hash(self) -> str:
+    def training_hash(self, *, every_field: bool = False) -> str:
         """Hash of what a checkpoint and a state transfer must agree on: the run, model, data (by content),
-        inner and outer sections, and the verification section in a verifiable run."""
+        inner and outer sections, and the verification section in a verifiable run. ``every_field``: the
+        hash as releases before 2026-12-02 computed it, over every field, defaults included
+        (:meth:`resumable_hashes`)."""
         doc = self.agreed_sections()
+        if every_field:
+            full = self.model_dump(mode="json", include=set(TRAINING_SECTIONS))
+            full["data"].pop("path")
+            full["data"]["sha256"] = doc["data"]["sha256"]
+            doc = without_own_fields(full)
         shared = {name: doc[name] for name in ("run", "model", "data", "inner", "outer")}
         if (
             self.verification.replicas > 1
         ):  # only then: a run without replicas keeps its hash when it is tuned
             shared["verification"] = doc["verification"]
         return hashlib.sha256(json.dumps(shared, sort_keys=True).encode()).hexdigest()[:16]
+
+    def resumable_hashes(self) -> frozenset[str]:
+        """The training hashes of the checkpoints this peer resumes from: its own, and the one a release from
+        before 2026-12-02 wrote for this experiment (it hashed every field; a checkpoint of the release
+        just before this one matches it, so an upgrade mid-run resumes)."""
+        return frozenset({self.training_hash(), self.training_hash(every_field=True)})
 
 
 TRAINING_SECTIONS = ("run", "model", "data", "inner", "outer", "averaging", "verification")

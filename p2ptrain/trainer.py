@@ -342,7 +342,7 @@ class Trainer:
                     if group is None:  # our replica group was left out: the round's result comes from others
                         continue
                 report = self.outer_sync(group, stats)
-                self.log_round(report, stats, behind=self.cfg.device.evaluate_in_background)
+                self.log_round(report, stats, behind=self.evaluates_behind)
                 self.end_round()
             self.land()
             self._finish_evaluation()
@@ -396,7 +396,8 @@ class Trainer:
         return kept
 
     def _finish_evaluation(self) -> None:
-        """Wait for a landed round's evaluation and log line (overlap): one at a time, in order."""
+        """Wait for the evaluation and log line of a round behind us (a landed sync's with overlap, or one
+        evaluated in the background): one at a time, in order."""
         if self._evaluating is not None:
             evaluating, self._evaluating = self._evaluating, None
             evaluating.finish()
@@ -431,7 +432,11 @@ class Trainer:
                     f"all-reduce in {parts} parts, and a verifiable round binds {MAX_WIRE_PARTS} at most"
                 )
         error_feedback = ErrorFeedback(self.codec, shapes) if cfg.averaging.error_feedback else None
-        if self.overlapping or cfg.device.evaluate_in_background:
+        # torch's MPS backend crashes when two threads use it at once (pytorch/pytorch#197805): there, evaluation
+        # stays in the training thread, and overlap's copy (its sync thread evaluates) stays on the CPU.
+        self.evaluates_behind = cfg.device.evaluate_in_background and self.device.type != "mps"
+        self._eval_device = torch.device("cpu") if self.device.type == "mps" else self.device
+        if self.overlapping or self.evaluates_behind:
             self._eval_model = copy.deepcopy(self.model)  # evaluates the master params while the model trains
         self.diloco = DiLoCo(
             self.model,
@@ -461,7 +466,7 @@ class Trainer:
             torch.set_num_threads(cfg.device.num_threads)
         self.model.to(self.device)
         if self._eval_model is not None:
-            self._eval_model.to(self.device)
+            self._eval_model.to(self._eval_device)
         self.inner_opt = make_optimizer(self.diloco.model_params, cfg.inner)
         self.inner_steps_total = 0
         self.samples_total = 0
@@ -1366,7 +1371,7 @@ class Trainer:
                 "barrier": stats.barrier_s,
                 "verify": stats.verify_s,
                 "sync": stats.sync_s,
-                "eval": stats.eval_s,
+                "eval": 0.0 if on_copy else stats.eval_s,  # beside training, not a wait
             },
             val_loss=val_loss,
         )
@@ -1408,10 +1413,11 @@ class Trainer:
         model: torch.nn.Module = self.model
         if self.overlapping and not on_copy:
             self._load_eval_model()
+        device = self.device
         if self.overlapping or on_copy:
             assert self._eval_model is not None, "setup() makes it"
-            model = self._eval_model
-        return evaluate(model, self.corpus, self.cfg, self.device)["val_loss"]
+            model, device = self._eval_model, self._eval_device
+        return evaluate(model, self.corpus, self.cfg, device)["val_loss"]
 
     def maybe_checkpoint(self) -> None:
         every = self.cfg.checkpoint.every_rounds
@@ -1495,7 +1501,7 @@ class Trainer:
         though it is never resumed from): a peer left behind before its restart is still behind.
         """
         for i, path in enumerate(checkpoint.candidates(self.checkpoint_dir, resumable_only=False)):
-            saved = checkpoint.read_swarm_memory(path, self.cfg.training_hash())
+            saved = checkpoint.read_swarm_memory(path, self.cfg.resumable_hashes())
             self.memory.restore(saved)
             if i == 0:  # the newest file's reputation (candidates come newest first)
                 self.reputation.restore(saved.get("reputation"))
@@ -1504,7 +1510,7 @@ class Trainer:
             self.model,
             self.diloco,
             self.inner_opt,
-            self.cfg.training_hash(),
+            self.cfg.resumable_hashes(),
             on_refused=lambda path, reason: self.log.warning(
                 "refused a checkpoint", path=str(path), reason=reason
             ),

@@ -261,3 +261,26 @@ def test_a_model_file_embeds_only_what_differs_from_the_defaults_and_reads_back_
     assert loaded.config.inner.max_steps_while_waiting == 0
     assert checkpoint.ExperimentConfig.model_validate(embedded).training_hash() == loaded.config.training_hash()
 
+
+
+def test_a_model_file_reads_back_as_written_whatever_the_readers_environment(tmp_path, monkeypatch):
+    cfg, _, _, path = make(tmp_path)
+    monkeypatch.setenv("P2PTRAIN_INNER__LR", "0.5")  # would fill a field the file leaves out, were it read
+    monkeypatch.setenv("P2PTRAIN_MODEL__NAME", "gpt-micro")
+    loaded = checkpoint.load(path)
+    assert loaded.config.inner.lr == cfg.inner.lr and loaded.config.model.name == "gpt-nano"
+    assert loaded.config == cfg
+
+
+def test_a_checkpoint_of_the_release_that_hashed_every_field_resumes_after_an_upgrade(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    cfg, model, _, path = make(tmp_path)
+    with safe_open_metadata(path) as metadata:
+        older = dict(metadata, config_hash=cfg.training_hash(every_field=True))
+    old = tmp_path / "older.safetensors"
+    save_file(load_file(str(path)), str(old), metadata=older)
+    assert cfg.training_hash(every_field=True) != cfg.training_hash()
+    with pytest.raises(checkpoint.CheckpointError, match="different experiment config"):
+        checkpoint.load_state(model, old, cfg.training_hash())
+    assert checkpoint.load_state(model, old, cfg.resumable_hashes()).round == 1

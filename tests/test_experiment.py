@@ -146,6 +146,12 @@ def test_releases_mix_a_field_left_out_is_its_default_and_a_newer_ones_field_is_
         check(cfg, newer)
 
 
+def test_the_built_in_default_experiment_is_published_under_its_run_id(keys):
+    found = verified(sign(load_config(None, {}), keys[0]))
+    assert found is not None and found.run_id == "p2ptrain-default"
+    assert found.sections["run"] == {"run_id": "p2ptrain-default"}
+
+
 def test_the_training_hash_does_not_see_fields_set_to_their_defaults():
     explicit = {
         name: {k: v for k, v in fields.items() if (name, k) != ("data", "path")}
