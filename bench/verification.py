@@ -8,8 +8,9 @@ Runs, one after another (never two at once: they share the machine's cores):
   replicated shards); and 3 honest peers at k = 2 (a swarm without the attacker's compute);
 * every attack of ``bench/cheat.py`` at k = 2, 1 hostile peer of 4 (the colluders: 2 of 5);
 * honest replicas that differ in thread count and in dtype (fp32 on 1 and 2 threads, bf16), at k = 2;
-* the overhead once every peer is trusted: 4 honest peers, ``verification.rounds_to_trust`` 3; and, with those
-  settings, 1 of 4 attacking (``TRUSTED_ATTACKS``): what an attack costs once replication can end.
+* the overhead once every peer is trusted: 4 honest peers, ``verification.rounds_to_trust`` 3; with those
+  settings, 1 of 4 attacking (``TRUSTED_ATTACKS``): what an attack costs once replication can end; and 3
+  honest peers alone with them (what the swarm can do without the attacker's compute).
 
 Read from the honest peers' logs: the rounds in which a hostile peer's work was judged and whether it
 counted, the round it was banned in, strikes against honest peers, every honest pair's sketch distance,
@@ -246,6 +247,11 @@ def main(argv: list[str] | None = None) -> None:
         record("honest/threads_and_bf16", lambda: swarm(config, logs / "mixed", replicas=2, peer_sets=mixed))
         trusted = ["verification.rounds_to_trust=3", "verification.audit_fraction=0.1"]
         record("honest/trusted", lambda: swarm(config, logs / "trusted", replicas=2, sets=trusted))
+        # The floor of an attack once trust ends replication: the swarm without the attacker's compute.
+        record(
+            "honest/trusted_3peers",
+            lambda: swarm(config, logs / "trusted-3", replicas=2, peers=PEERS - 1, sets=trusted),
+        )
         # The acceptance's "1 of 4 attacking, within 2% of all-honest", where trust comes early enough for the
         # swarm's replication to end: against honest/trusted, the same settings.
         for attack in TRUSTED_ATTACKS:
@@ -352,6 +358,13 @@ def table(runs: dict[str, dict], cfg, config_name: str) -> list[str]:
                 for a, r in attacked
             )
             rows.append(f"1 of 4 attacking, the same settings (rounds_to_trust 3): {each}.")
+        three = runs.get("honest/trusted_3peers")
+        if three and three["final_val_loss"] and trusted["final_val_loss"]:
+            rows.append(
+                f"3 honest peers alone, the same settings (the swarm without the attacker's compute): val loss "
+                f"{three['final_val_loss']:.3f} ({three['final_val_loss'] / trusted['final_val_loss'] - 1:+.1%} "
+                "against 4 honest peers)."
+            )
     return rows
 
 
