@@ -91,7 +91,8 @@ WAIT_SECONDS = Counter(
     "p2ptrain_round_wait_seconds",
     "Seconds this peer spent in a round outside its inner phase, by phase: barrier (waiting for the round's "
     "other peers), verify (a verifiable round's reveal and verdict), sync (matchmaking, all-reduce, outer "
-    "step), eval (validation). Utilization = inner phase seconds over all of them.",
+    "step), eval (validation in the training thread; one in the background is no wait). Utilization = inner "
+    "phase seconds over all of them.",
     ["phase"],
     registry=PEER,
 )
