@@ -142,7 +142,9 @@ class RoundStats:
 class _Background:
     """A round's sync in a daemon thread (``outer.overlap``): first the barrier, all-reduce and outer step
     (:meth:`synced` once they are over: the result can land), then the round's evaluation and log line, which
-    need not hold up the landing. :meth:`result` and :meth:`finish` hand on what each part raised."""
+    need not hold up the landing. :meth:`result` and :meth:`finish` hand on what each part raised. A round
+    evaluated in the background (``device.evaluate_in_background``) runs as one whose sync is already done:
+    its ``sync`` returns the report at once."""
 
     def __init__(
         self,
