@@ -26,7 +26,14 @@ from pydantic import ValidationError
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from p2ptrain.config import ConfigError, ExperimentConfig, deep_merge, format_validation_error, load_config
+from p2ptrain.config import (
+    ConfigError,
+    ExperimentConfig,
+    deep_merge,
+    format_validation_error,
+    load_config,
+    training_defaults,
+)
 from p2ptrain.diloco import DiLoCo, tensors_hash
 
 FORMAT = "p2ptrain/1"
@@ -248,9 +255,10 @@ def _embedded_config(path: Path, text: str | None) -> ExperimentConfig:
         raise CheckpointError(f"{path}: its embedded config is not a mapping of sections")
     # Every field left out is the default (config.TRAINING_SECTIONS), never the reader's environment
     # (P2PTRAIN_* variables would fill the gaps of a settings model): the defaults go in first.
-    defaults = {name: f.default.model_dump(mode="json") for name, f in ExperimentConfig.model_fields.items()}
     try:
-        return ExperimentConfig.model_validate(deep_merge(defaults, data))
+        return ExperimentConfig.model_validate(
+            deep_merge(training_defaults(ExperimentConfig.model_fields), data)
+        )
     except ValidationError as e:
         problems = format_validation_error(e).replace("\n", "; ")
         newer = any(item["type"] == "extra_forbidden" for item in e.errors())

@@ -21,6 +21,7 @@ import hashlib
 import json
 import os
 import re
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -628,15 +629,16 @@ class ExperimentConfig(BaseSettings):
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
 
-    def training_sections(self) -> dict[str, Any]:
+    def training_sections(self, *, every_field: bool = False) -> dict[str, Any]:
         """The sections a run's peers share (:data:`TRAINING_SECTIONS`), as JSON: what the swarm publishes as
         its experiment (``experiment.py``). The data is named by its content (``data.sha256``), never by its
         path, which is each peer's own. A field at its default is left out (:func:`training_defaults`):
         so a release that adds a field leaves every run that does not set it as it was (the same
-        experiment, the same training hash), and an older release can still read it."""
+        experiment, the same training hash), and an older release can still read it. ``every_field``: with
+        the defaults, as releases before 2026-12-02 wrote them."""
         from p2ptrain.data import corpus_digest  # data.py imports this module
 
-        doc = self.model_dump(mode="json", include=set(TRAINING_SECTIONS), exclude_defaults=True)
+        doc = self.model_dump(mode="json", include=set(TRAINING_SECTIONS), exclude_defaults=not every_field)
         doc = {name: doc.get(name, {}) for name in TRAINING_SECTIONS}
         doc["run"]["run_id"] = self.run.run_id  # always: a published experiment is filed under it
         doc["data"].pop("path", None)
@@ -656,12 +658,7 @@ class ExperimentConfig(BaseSettings):
         inner and outer sections, and the verification section in a verifiable run. ``every_field``: the
         hash as releases before 2026-12-02 computed it, over every field, defaults included
         (:meth:`resumable_hashes`)."""
-        doc = self.agreed_sections()
-        if every_field:
-            full = self.model_dump(mode="json", include=set(TRAINING_SECTIONS))
-            full["data"].pop("path")
-            full["data"]["sha256"] = doc["data"]["sha256"]
-            doc = without_own_fields(full)
+        doc = without_own_fields(self.training_sections(every_field=every_field))
         shared = {name: doc[name] for name in ("run", "model", "data", "inner", "outer")}
         if (
             self.verification.replicas > 1
@@ -686,12 +683,11 @@ never change an existing field's default (the runs that leave it out would then 
 the same hash). ``tests/test_config.py`` holds the defaults as released and fails when one changes."""
 
 
-def training_defaults() -> dict[str, dict[str, Any]]:
-    """Every field of the training sections at its default, as JSON: what a field that a published
-    experiment, a training hash or a checkpoint's config leaves out stands for."""
-    return {
-        name: ExperimentConfig.model_fields[name].default.model_dump(mode="json") for name in TRAINING_SECTIONS
-    }
+def training_defaults(sections: Iterable[str] = TRAINING_SECTIONS) -> dict[str, dict[str, Any]]:
+    """Every field of ``sections`` (the training sections; any of the config's) at its default, as JSON: what
+    a field that a published experiment, a training hash or a checkpoint's config leaves out stands for."""
+    return {name: ExperimentConfig.model_fields[name].default.model_dump(mode="json") for name in sections}
+
 
 OWN_SECTIONS = ("swarm", "device", "checkpoint", "schedule", "log", "metrics")
 """The sections that are each peer's own (a volunteer's machine, network and files)."""

@@ -1333,7 +1333,9 @@ class Trainer:
         last = self.round >= self.cfg.outer.num_rounds
         if last:
             evaluated_by = self.peer_id
-        done = functools.partial(self._round_done, duration=duration, evaluated_by=evaluated_by, at=self.round)
+        done = functools.partial(
+            self._round_done, duration=duration, evaluated_by=evaluated_by, at=self.round
+        )
         if behind:  # the training thread: the one before first (its log line, its val loss), in order
             self._finish_evaluation()
         if evaluated_by == self.peer_id and behind and not last:

@@ -173,7 +173,10 @@ def test_prune_keeps_the_newest_periodic_checkpoints(tmp_path):
         ({"config": json.dumps({"inner": {"lr": "fast"}, "model": {"name": "gpt-huge"}})}, "is invalid: "),
         ({"config": None}, "it carries no experiment config"),
         ({"config": "[1, 2]"}, "not a mapping of sections"),
-        ({"config": json.dumps({"inner": {"lr_wobble": 2.0}})}, "inner.lr_wobble: unknown key (a newer release"),
+        (
+            {"config": json.dumps({"inner": {"lr_wobble": 2.0}})},
+            "inner.lr_wobble: unknown key (a newer release",
+        ),
     ],
 )
 def test_a_crafted_model_file_is_a_one_line_error(tmp_path, metadata, reason):
@@ -259,8 +262,9 @@ def test_a_model_file_embeds_only_what_differs_from_the_defaults_and_reads_back_
     loaded = checkpoint.load(path)
     assert "inner" not in embedded or "max_steps_while_waiting" not in embedded["inner"]
     assert loaded.config.inner.max_steps_while_waiting == 0
-    assert checkpoint.ExperimentConfig.model_validate(embedded).training_hash() == loaded.config.training_hash()
-
+    assert (
+        checkpoint.ExperimentConfig.model_validate(embedded).training_hash() == loaded.config.training_hash()
+    )
 
 
 def test_a_model_file_reads_back_as_written_whatever_the_readers_environment(tmp_path, monkeypatch):

@@ -213,7 +213,9 @@ def test_no_release_changes_or_drops_a_default_of_the_training_sections():
         if now.get(name, {}).get(key, "(dropped)") != value
     ]
     assert not changed, f"a default of the training sections changed, which breaks mixed releases: {changed}"
-    added = [f"{name}.{key}" for name, fields in now.items() for key in fields if key not in released.get(name, {})]
+    added = [
+        f"{name}.{key}" for name, fields in now.items() for key in fields if key not in released.get(name, {})
+    ]
     assert not added, (
         f"new fields {added}: add them to tests/released_defaults.json (their defaults are released from then on)"
     )

@@ -218,15 +218,15 @@ def test_a_peer_evaluates_a_copy_of_the_rounds_params_while_it_trains_the_next_r
                 torch.equal(p.detach().cpu(), m)
                 for p, m in zip((p for p in model.parameters() if p.requires_grad), t.diloco.master)
             )
-            seen.append((name, t.round, steps.get(f"trainer-{name}", 0) > before, same and model is not t.model))
+            seen.append(
+                (name, t.round, steps.get(f"trainer-{name}", 0) > before, same and model is not t.model)
+            )
         elif t.round < cfg.outer.num_rounds:
             seen.append((name, t.round, False, model is t.model))
         return real_evaluate(model, corpus, cfg, device)
 
     monkeypatch.setattr(trainer, "evaluate", evaluate)
-    peers.update(
-        start(MemorySwarm(), tmp_path, ["a", "b"], device={"evaluate_in_background": background})
-    )
+    peers.update(start(MemorySwarm(), tmp_path, ["a", "b"], device={"evaluate_in_background": background}))
     finish(peers)
     assert_swarm_contract(tmp_path, peers, ["a", "b"])
     # One evaluation after each round but the last (which both peers evaluate in their own thread).
