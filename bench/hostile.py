@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from p2ptrain.averaging import ExactAllReduceRunner, ExactAverager, SwarmAverager, round_group_bits
-from p2ptrain.compression import codec_for
+from p2ptrain.compression import layout_for
 from p2ptrain.config import load_config, parse_set
 from p2ptrain.diloco import DiLoCo, Snapshot
 from p2ptrain.models import build_model
@@ -139,9 +139,8 @@ def insider(attack: str, cfg, deadline: float) -> None:
     averager = SwarmAverager(
         board.dht,
         run_id=cfg.run.run_id,
-        shapes=shapes,
+        layout=layout_for(shapes, cfg.averaging),
         cfg=cfg.averaging.model_copy(update={"retries": 0}),
-        codec=codec_for(cfg.averaging),
         client_mode=False,
         state_provider=serve_garbage,
         stop=threading.Event(),

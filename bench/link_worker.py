@@ -87,7 +87,7 @@ def gloo(args) -> list[float]:
 
 def hivemind(args) -> list[float]:
     from p2ptrain.averaging import SwarmAverager
-    from p2ptrain.compression import make_codec
+    from p2ptrain.compression import layout_for
     from p2ptrain.config import AveragingConfig, SwarmConfig
     from p2ptrain.records import PeerState
     from p2ptrain.swarm import Swarm
@@ -111,9 +111,8 @@ def hivemind(args) -> list[float]:
     averager = SwarmAverager(
         board.dht,
         run_id="link",
-        shapes=[torch.Size([args.bytes // 4])],
+        layout=layout_for([torch.Size([args.bytes // 4])], averaging),
         cfg=averaging,
-        codec=make_codec("none"),
         client_mode=False,
         state_provider=lambda: ({}, []),
     )

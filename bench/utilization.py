@@ -50,6 +50,10 @@ PHASES = ("inner", "barrier", "verify", "sync", "eval")
 SETTINGS: dict[str, tuple[str, list[str]]] = {
     "every_peer_evaluates": ("every peer evaluates every round (data.eval_by=all)", ["data.eval_by=all"]),
     "default": ("the default: one peer of the group evaluates, in turn, in the background", []),
+    "tensor_by_tensor": (
+        "the default, sending the pseudo-gradient tensor by tensor as before 2026-12-03 (averaging.packed=false)",
+        ["averaging.packed=false"],
+    ),
     "eval_inline": (
         "one peer evaluates, in turn, before it trains the next round (device.evaluate_in_background=false)",
         ["device.evaluate_in_background=false"],

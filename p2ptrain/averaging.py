@@ -49,7 +49,6 @@ from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AllreduceException, AllReduceRunner, AveragingMode
 from hivemind.averaging.matchmaking import PotentialLeaders
 from hivemind.averaging.partition import TensorPartContainer, TensorPartReducer
-from hivemind.compression import CompressionBase
 from hivemind.compression.serialization import combine_from_streaming
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
@@ -63,7 +62,7 @@ from hivemind.utils.asyncio import (
 )
 
 from p2ptrain.aggregation import Aggregate, aggregator, mean
-from p2ptrain.compression import DEFAULT_PART_SIZE_BYTES, deserialize
+from p2ptrain.compression import Layout, deserialize
 from p2ptrain.config import AveragingConfig
 from p2ptrain.diloco import AverageResult, AveragingFailed
 from p2ptrain.logs import bind, get_logger, unbind
@@ -976,8 +975,8 @@ class SwarmAverager:
     round; it also downloads the swarm's state from a chosen donor.
 
     Args:
-        codec: the wire format; the same object error feedback rounds with, so that what it keeps is
-            exactly what this averager's wire drops.
+        layout: where the pseudo-gradient's tensors go on the wire (``compression.layout_for``): the wire
+            tensors this averager holds, their codec and the part size.
         state_provider: what we serve to a newcomer (``transfer.donation``); runs in a thread of this process.
         max_weight: the most samples one peer can process in a round; a groupmate that claims a larger (or a
             non-positive, or non-finite) weight is left out.
@@ -990,9 +989,8 @@ class SwarmAverager:
         dht,
         *,
         run_id: str,
-        shapes: Sequence[torch.Size],
+        layout: Layout,
         cfg: AveragingConfig,
-        codec: CompressionBase,
         client_mode: bool,
         state_provider: Callable[[], tuple[dict, list[torch.Tensor]]],
         max_weight: float = math.inf,
@@ -1002,7 +1000,8 @@ class SwarmAverager:
         self.cfg = cfg
         self.stop = stop or threading.Event()
         # Averaged tensors must be CPU shared memory: the averager child reads and writes them.
-        self.buffers = [torch.zeros(shape, dtype=torch.float32) for shape in shapes]
+        self.layout = layout
+        self.buffers = [torch.zeros(shape, dtype=torch.float32) for shape in layout.wire_shapes]
         self.peer_id = dht.peer_id.to_base58()
         with keep_sigint_handler():
             self._averager = averager_cls(
@@ -1013,7 +1012,7 @@ class SwarmAverager:
                 max_weight=max_weight,
                 aggregate=aggregator(cfg),
                 # Params and outer momentum in float32, hivemind's framing, and room for the metadata.
-                max_state_bytes=2 * 4 * sum(math.prod(s) for s in shapes) * 1.1 + 2**16,
+                max_state_bytes=2 * 4 * sum(math.prod(s) for s in layout.shapes) * 1.1 + 2**16,
                 start=True,
                 state_provider=state_provider,
                 target_group_size=cfg.target_group_size,
@@ -1022,8 +1021,8 @@ class SwarmAverager:
                 request_timeout=cfg.request_timeout_s,
                 allreduce_timeout=cfg.allreduce_timeout_s,
                 next_chunk_timeout=cfg.next_chunk_timeout_s,
-                compression=codec,
-                part_size_bytes=DEFAULT_PART_SIZE_BYTES,  # the cut that verify.wire seals
+                compression=layout.codec,
+                part_size_bytes=layout.part_size_bytes,  # the cut that verify.wire seals
                 client_mode=client_mode,
                 allow_state_sharing=not client_mode,
                 shutdown_timeout=5,
@@ -1033,8 +1032,7 @@ class SwarmAverager:
         errors = []
         for attempt in range(1 + self.cfg.retries):
             with self._averager.get_tensors() as buffers:
-                for buf, t in zip(buffers, tensors):
-                    buf.copy_(t)
+                self.layout.pack(tensors, out=buffers)
             self._averager.set_group_bits(round_group_bits(round))
             t0 = time.monotonic()
             try:
@@ -1062,7 +1060,7 @@ class SwarmAverager:
                 errors.append(f"attempt {attempt + 1}: groupmates of rounds {sorted(map(str, rounds))}")
                 continue
             with self._averager.get_tensors() as buffers:
-                averaged = [b.clone() for b in buffers]
+                averaged = self.layout.unpack(buffers)
             peers = sorted(str(g.get("peer", "?"))[:128] for g in infos)
             outcome: _Outcome = out["outcome"]
             contributors = [p for p in peers if p not in outcome.dropped]

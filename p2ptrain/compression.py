@@ -21,6 +21,7 @@ import math
 import struct
 import warnings
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -29,6 +30,7 @@ from hivemind.compression import (
     CompressionInfo,
     Float16Compression,
     NoCompression,
+    PerTensorCompression,
     SizeAdaptiveCompression,
     deserialize_torch_tensor,
 )
@@ -42,6 +44,21 @@ INT8_BLOCKWISE = 64
 INT4_BLOCKWISE = 65
 
 DEFAULT_PART_SIZE_BYTES = 2**19  # hivemind's default part size in the all-reduce
+PACKED_PARTS = 6
+"""How many parts a packed layout cuts at least (while they stay over 4 KiB): a packed vector has no tensor
+boundaries to spread its parts over reducers, and hivemind gives each part to one reducer whole, so fewer
+parts than groupmates leaves some reducing nothing and the others the whole vector. gpt-micro's int8 vector
+(0.85 MB) is 8 parts of 128 KiB; gpt-nano's (0.12 MB) 8 of 16 KiB; from 3 MB on, hivemind's 512 KiB."""
+
+
+def packed_part_size(wire_bytes: float) -> int:
+    """The part size of a packed layout of ``wire_bytes`` on the wire: hivemind's 512 KiB, halved (down to
+    4 KiB) while that makes fewer than :data:`PACKED_PARTS` parts."""
+    part = DEFAULT_PART_SIZE_BYTES
+    while part > 2**12 and wire_bytes < PACKED_PARTS * part:
+        part //= 2
+    return part
+
 
 # extract() decodes from read-only views of the message's bytes (no copy) and never writes to them.
 warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning)
@@ -213,3 +230,88 @@ class ErrorFeedback:
 
     def discard(self) -> None:
         self._pending = None
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where a pseudo-gradient's tensors go on the wire (:func:`layout_for`).
+
+    Per tensor (``averaging.packed`` false, as before 2026-12-03) every tensor is its own wire tensor, sent
+    with the per-tensor codec. Packed, the tensors are laid end to end in a few flat wire tensors (buckets),
+    because hivemind's all-reduce pays per part (a stream, a message, a task, a reducer's bookkeeping): 52
+    tensors of gpt-micro are 52 parts or more, two buckets are 8. Under int8 / int4 the small tensors
+    (fewer than ``averaging.small_tensor_numel`` values) make one fp16 bucket and the rest one quantized
+    bucket in which each tensor starts at a multiple of ``averaging.block_size``, zero padded: a block never
+    holds two tensors, padding zeros never raise a block's absmax, and parts are whole blocks, so every value
+    is encoded exactly as per tensor, and error feedback (which rounds per tensor) still keeps exactly what
+    the wire drops.
+    """
+
+    shapes: tuple[torch.Size, ...]
+    """The pseudo-gradient's tensors."""
+    places: tuple[tuple[int, int], ...]
+    """Each tensor's wire tensor and offset in it (values)."""
+    wire_shapes: tuple[torch.Size, ...]
+    """The wire tensors, as the averager holds them."""
+    codec: CompressionBase
+    """The wire codec (hivemind's parts carry the wire tensor's index as their key)."""
+    part_size_bytes: int
+    """The all-reduce's part size: hivemind's cut, which :func:`p2ptrain.verify.wire` seals."""
+
+    def pack(
+        self, tensors: Sequence[torch.Tensor], out: Sequence[torch.Tensor] | None = None
+    ) -> list[torch.Tensor]:
+        """The wire tensors holding ``tensors`` (float32), written into ``out`` when given. Padding is zeroed
+        every time: whatever a groupmate put there last round must not move a block's absmax."""
+        flats = (
+            [torch.zeros(s, dtype=torch.float32) for s in self.wire_shapes]
+            if out is None
+            else [o.zero_() for o in out]
+        )
+        for t, (b, offset) in zip(tensors, self.places, strict=True):
+            n = t.numel()
+            flats[b].view(-1)[offset : offset + n].copy_(t.detach().reshape(-1))
+        return flats
+
+    def unpack(self, flats: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The tensors that ``pack`` laid into ``flats`` (copies; padding is dropped)."""
+        return [
+            flats[b].reshape(-1)[offset : offset + math.prod(shape)].view(shape).clone()
+            for shape, (b, offset) in zip(self.shapes, self.places, strict=True)
+        ]
+
+
+def layout_for(shapes: Sequence[torch.Size], cfg: AveragingConfig) -> Layout:
+    """The wire layout of an ``averaging`` config section for tensors of ``shapes``: a pure function of
+    agreed fields, so every peer of a run cuts the same parts."""
+    shapes = tuple(torch.Size(s) for s in shapes)
+    if not cfg.packed:
+        return Layout(
+            shapes, tuple((i, 0) for i in range(len(shapes))), shapes, codec_for(cfg), DEFAULT_PART_SIZE_BYTES
+        )
+    small = [i for i, s in enumerate(shapes) if math.prod(s) < cfg.small_tensor_numel]
+    large = [i for i, s in enumerate(shapes) if math.prod(s) >= cfg.small_tensor_numel]
+    quantized = cfg.compression in ("int8", "int4")
+    # Under int8 / int4: the small tensors in an fp16 bucket, the others each on a block of the quantized one.
+    groups = [(small, 1), (large, cfg.block_size)] if quantized else [(list(range(len(shapes))), 1)]
+    groups = [g for g in groups if g[0]] or [([], 1)]
+    places: list[tuple[int, int]] = [(0, 0)] * len(shapes)
+    sizes = []
+    for b, (members, align) in enumerate(groups):
+        offset = 0
+        for i in members:
+            places[i] = (b, offset)
+            offset += -(-math.prod(shapes[i]) // align) * align
+        sizes.append(max(offset, 1))
+    if quantized:
+        bits = 8 if cfg.compression == "int8" else 4
+        per_value = bits / 8 + 4 / cfg.block_size
+        part = packed_part_size(sum(sizes) * per_value)
+        quantizer = BlockwiseQuantization(bits, cfg.block_size, part)
+        codecs = [Float16Compression() if members is small else quantizer for members, _ in groups]
+    else:
+        part = packed_part_size(sum(sizes) * (2 if cfg.compression == "fp16" else 4))
+        codecs = [codec_for(cfg)]
+    return Layout(
+        shapes, tuple(places), tuple(torch.Size([n]) for n in sizes), PerTensorCompression(codecs), part
+    )

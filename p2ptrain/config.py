@@ -201,12 +201,17 @@ class OuterConfig(_Section):
 class AveragingConfig(_Section):
     compression: Literal["none", "fp16", "int8", "int4"] = "int8"
     """Wire format of pseudo-gradients in the all-reduce: none (fp32), fp16, or blockwise int8 / int4 with one
-    float32 absmax scale per block (0.254x and 0.129x of fp32's bytes at block_size 256). Peers of a run may
-    differ here; every peer decodes every format."""
+    float32 absmax scale per block (0.254x and 0.129x of fp32's bytes at block_size 256)."""
     block_size: int = Field(default=256, ge=8)
     """Values per quantization block for int8 / int4 (even). Smaller blocks: less error, more scale bytes."""
     small_tensor_numel: int = Field(default=4096, ge=1)
     """Tensors with fewer values (biases, norms) are sent as fp16 under int8 / int4."""
+    packed: bool = True
+    """Send the pseudo-gradient packed into a few flat tensors (the small tensors in one, the others in one,
+    each starting on a block) rather than tensor by tensor: the same values on the wire in far fewer parts, so
+    a faster all-reduce. centered_clip then judges slices of the packed tensors rather than whole tensors. A
+    published experiment or a checkpoint that leaves this out means false (releases before 2026-12-03 send
+    tensor by tensor)."""
     error_feedback: bool = False
     """Keep what quantization dropped from this peer's pseudo-gradient and add it to the next round's
     (EF-SGD). Kept in checkpoints."""
@@ -632,13 +637,16 @@ class ExperimentConfig(BaseSettings):
     def training_sections(self, *, every_field: bool = False) -> dict[str, Any]:
         """The sections a run's peers share (:data:`TRAINING_SECTIONS`), as JSON: what the swarm publishes as
         its experiment (``experiment.py``). The data is named by its content (``data.sha256``), never by its
-        path, which is each peer's own. A field at its default is left out (:func:`training_defaults`):
-        so a release that adds a field leaves every run that does not set it as it was (the same
-        experiment, the same training hash), and an older release can still read it. ``every_field``: with
+        path, which is each peer's own. A field is left out where a reader takes it as left out
+        (:func:`training_defaults`: its default, but for :data:`ABSENT_MEANS`): so a release that adds a field
+        leaves every run that does not set it as it was (the same experiment, the same training hash), and an
+        older release can still read it. ``every_field``: with
         the defaults, as releases before 2026-12-02 wrote them."""
         from p2ptrain.data import corpus_digest  # data.py imports this module
 
-        doc = self.model_dump(mode="json", include=set(TRAINING_SECTIONS), exclude_defaults=not every_field)
+        doc = self.model_dump(mode="json", include=set(TRAINING_SECTIONS))
+        if not every_field:
+            doc = leave_out_absent(doc)
         doc = {name: doc.get(name, {}) for name in TRAINING_SECTIONS}
         doc["run"]["run_id"] = self.run.run_id  # always: a published experiment is filed under it
         doc["data"].pop("path", None)
@@ -646,8 +654,8 @@ class ExperimentConfig(BaseSettings):
         return doc
 
     def to_json(self) -> str:
-        """The whole config as JSON, fields at their defaults left out (a checkpoint embeds it)."""
-        return json.dumps(self.model_dump(mode="json", exclude_defaults=True))
+        """The whole config as JSON without the fields a reader takes as left out (a checkpoint embeds it)."""
+        return json.dumps(leave_out_absent(self.model_dump(mode="json")))
 
     def agreed_sections(self) -> dict[str, Any]:
         """:meth:`training_sections` without :data:`OWN_FIELDS`: what every peer of a run must agree on."""
@@ -678,15 +686,36 @@ TRAINING_SECTIONS = ("run", "model", "data", "inner", "outer", "averaging", "ver
 
 Releases mix: what a run publishes, hashes and embeds in its checkpoints leaves out every field at its
 default, and a reader takes a field left out as its own default. So a release may add a field to these
-sections whose default keeps the old behaviour, and runs of older and newer releases still agree; it must
-never change an existing field's default (the runs that leave it out would then train differently under
-the same hash). ``tests/test_config.py`` holds the defaults as released and fails when one changes."""
+sections whose default keeps the old behaviour (or whose absence does: :data:`ABSENT_MEANS`), and runs of
+older and newer releases still agree; it must never change an existing field's default (the runs that leave
+it out would then train differently under the same hash). ``tests/test_config.py`` holds the defaults as
+released and fails when one changes."""
+
+
+ABSENT_MEANS: dict[str, dict[str, Any]] = {"averaging": {"packed": False}}
+"""Fields whose absence means other than their default: a field added with a new behaviour as its default
+(new runs get it) while the runs of older releases, which leave the field out, keep the old one. Each is
+left out only at this value, so a run at the default publishes it, and an older release refuses to join
+rather than train with a different wire."""
 
 
 def training_defaults(sections: Iterable[str] = TRAINING_SECTIONS) -> dict[str, dict[str, Any]]:
-    """Every field of ``sections`` (the training sections; any of the config's) at its default, as JSON: what
-    a field that a published experiment, a training hash or a checkpoint's config leaves out stands for."""
-    return {name: ExperimentConfig.model_fields[name].default.model_dump(mode="json") for name in sections}
+    """Every field of ``sections`` (the training sections; any of the config's) as a field left out stands
+    for it, as JSON: what a published experiment, a training hash or a checkpoint's config means by leaving a
+    field out. That is its default, but for :data:`ABSENT_MEANS`."""
+    return {
+        name: ExperimentConfig.model_fields[name].default.model_dump(mode="json") | ABSENT_MEANS.get(name, {})
+        for name in sections
+    }
+
+
+def leave_out_absent(doc: dict[str, Any]) -> dict[str, Any]:
+    """Sections (as JSON) without the fields a reader takes as left out (:func:`training_defaults`)."""
+    absent = training_defaults(doc)
+    return {
+        name: {k: v for k, v in fields.items() if k not in absent[name] or absent[name][k] != v}
+        for name, fields in doc.items()
+    }
 
 
 OWN_SECTIONS = ("swarm", "device", "checkpoint", "schedule", "log", "metrics")

@@ -33,6 +33,7 @@ from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 from pydantic.v1 import BaseModel, conbytes, confloat, constr
 
 from p2ptrain.config import (
+    ABSENT_MEANS,
     TRAINING_SECTIONS,
     ConfigError,
     ExperimentConfig,
@@ -290,6 +291,9 @@ def config_for(experiment: Experiment, overrides: dict[str, Any] | None = None) 
             f"{', '.join(unknown)}, which this p2ptrain does not know: a newer release published it; upgrade "
             "p2ptrain to join"
         )
+    for name, fields in ABSENT_MEANS.items():  # left out there means other than the default here
+        for key, value in fields.items():
+            base.setdefault(name, {}).setdefault(key, value)
     data = base["data"]
     data.pop("sha256", None)
     overrides = overrides or {}

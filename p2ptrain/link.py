@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
-from hivemind.compression import CompressionBase
 
 from p2ptrain import telemetry
+from p2ptrain.compression import Layout
 from p2ptrain.config import ExperimentConfig
 from p2ptrain.diloco import AverageResult
 from p2ptrain.experiment import Experiment, ExperimentRecord
@@ -108,8 +108,7 @@ def connect_hivemind(
     cfg: ExperimentConfig,
     *,
     device: str,
-    shapes: list[torch.Size],
-    codec: CompressionBase,
+    layout: Layout,
     state_provider: StateProvider,
     stop: threading.Event,
 ) -> Link:
@@ -127,9 +126,8 @@ def connect_hivemind(
         averager = SwarmAverager(
             swarm.dht,
             run_id=cfg.run.run_id,
-            shapes=shapes,
+            layout=layout,
             cfg=cfg.averaging,
-            codec=codec,
             client_mode=cfg.swarm.client_mode,
             state_provider=state_provider,
             # The most samples a peer can have processed in one round: a larger claimed weight is a lie.

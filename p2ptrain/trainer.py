@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from p2ptrain import checkpoint, experiment, protocol, telemetry, verify
-from p2ptrain.compression import ErrorFeedback, codec_for, wire_parts
+from p2ptrain.compression import ErrorFeedback, codec_for, layout_for, wire_parts
 from p2ptrain.config import ConfigError, ExperimentConfig
 from p2ptrain.data import open_corpus
 from p2ptrain.diloco import DiLoCo, OuterStepReport, tensors_hash
@@ -426,8 +426,11 @@ class Trainer:
         )
         self.codec = codec_for(cfg.averaging)  # one codec: error feedback must round as the wire does
         shapes = [p.shape for p in self.model.parameters() if p.requires_grad]
+        # Packed or not, the wire carries exactly what self.codec rounds each tensor to (compression.Layout).
+        self.layout = layout_for(shapes, cfg.averaging)
         if self.verifying:
-            parts = len(wire_parts([torch.empty(s, device="meta") for s in shapes], self.codec))
+            metas = [torch.empty(s, device="meta") for s in self.layout.wire_shapes]
+            parts = len(wire_parts(metas, self.layout.codec, self.layout.part_size_bytes))
             if parts > MAX_WIRE_PARTS:
                 raise ConfigError(
                     f"verification.replicas {cfg.verification.replicas}: model {cfg.model.name} goes into the "
@@ -450,8 +453,7 @@ class Trainer:
         self.link = self.connect(
             cfg,
             device=self.device.type,
-            shapes=shapes,
-            codec=self.codec,
+            layout=self.layout,
             state_provider=self._donation,
             stop=self.stop,
         )
@@ -933,9 +935,13 @@ class Trainer:
                 waiting.update(f"round {self.round}: waiting for the roster", coming=len(coming))
                 self.stop.wait(self._poll_s)
 
+    def _on_wire(self, delta: list[torch.Tensor]) -> verify.Wire:
+        """``delta`` cut, encoded and decoded exactly as our averager sends it (packed or not)."""
+        return verify.wire(self.layout.pack(delta), self.layout.codec, self.layout.part_size_bytes)
+
     def seal(self) -> None:
         """Publish a seal of the parts we will send and a fresh nonce, before anyone reveals anything."""
-        self._wire = verify.wire(self.diloco.pseudo_gradient(), self.codec)
+        self._wire = self._on_wire(self.diloco.pseudo_gradient())
         self._digest = verify.commitment(self._wire.digests)
         self._nonce = secrets.token_hex(16)
         self.board.update(seal=verify.sealed(self._digest, self._nonce))
@@ -1073,7 +1079,7 @@ class Trainer:
             return
         self.log.info("refereeing", round=dispute.round, group=[p[-8:] for p in dispute.group])
         delta = self._replay(dispute.round, *shard, start)
-        sketch = verify.sketch(verify.wire(delta, self.codec).parts, dispute.seed)
+        sketch = verify.sketch(self._on_wire(delta).parts, dispute.seed)
         self.board.update(
             ref_round=dispute.round,
             ref_group=list(dispute.group),

@@ -24,7 +24,7 @@ import torch
 from hivemind.utils.crypto import RSAPrivateKey
 
 from p2ptrain.aggregation import aggregator
-from p2ptrain.compression import roundtrip
+from p2ptrain.compression import Layout, roundtrip, wire_parts
 from p2ptrain.config import ExperimentConfig, load_config
 from p2ptrain.diloco import AverageResult, AveragingFailed
 from p2ptrain.experiment import Experiment, ExperimentRecord, sign, verified
@@ -141,8 +141,10 @@ class Injector:
 class _Peer:
     """The swarm's side of one connected peer: its status, its state provider, whether it is alive."""
 
-    def __init__(self, swarm: MemorySwarm, name: str, cfg: ExperimentConfig, codec, state_provider, stop):
-        self.swarm, self.name, self.cfg, self.codec = swarm, name, cfg, codec
+    def __init__(
+        self, swarm: MemorySwarm, name: str, cfg: ExperimentConfig, layout: Layout, state_provider, stop
+    ):
+        self.swarm, self.name, self.cfg, self.layout = swarm, name, cfg, layout
         # Deterministic ids (the roster, and so the data shards, follow them): one per incarnation.
         self.peer_id = f"mem-{name}-{sum(p.name == name for p in swarm._peers.values())}"
         self.state_provider = state_provider
@@ -267,8 +269,8 @@ class MemoryBoard:
 
 
 class MemoryAverager:
-    def __init__(self, peer: _Peer, codec):
-        self._peer, self._codec = peer, codec
+    def __init__(self, peer: _Peer, layout: Layout):
+        self._peer, self._layout = peer, layout
         self._expected: int | None = None
 
     def average(self, tensors, *, weight: float, round: int) -> AverageResult:
@@ -283,8 +285,10 @@ class MemoryAverager:
             try:
                 tamper = peer.swarm.injector.tamper.get(peer.name, lambda t: t)
                 tampered = [tamper(t) for t in tensors]
-                sent = [roundtrip(self._codec, t) for t in tampered]
-                return peer.swarm.allreduce(peer, sent, weight, round, wire(tampered, self._codec))
+                # What the wire carries, as the real averager sends it: packed, cut, keyed by wire tensor.
+                flats = self._layout.pack(tampered)
+                sealed = wire(flats, self._layout.codec, self._layout.part_size_bytes)
+                return peer.swarm.allreduce(peer, sealed.parts, weight, round, sealed)
             except AveragingFailed as e:
                 if e.reason == "stopped":
                     raise
@@ -331,6 +335,17 @@ class _Group:
     """What each member sent, as its reducers receive it (parts and their digests)."""
     closed: threading.Event = field(default_factory=threading.Event)
     results: dict[str, AverageResult | AveragingFailed] = field(default_factory=dict)
+
+
+def _returned(layout: Layout, average: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The pseudo-gradient a member takes from the averaged parts: as hivemind's reducers send them back,
+    through the wire codec, put back into the wire tensors and unpacked."""
+    metas = [torch.empty(s, device="meta") for s in layout.wire_shapes]
+    infos = [info for _, info in wire_parts(metas, layout.codec, layout.part_size_bytes)]
+    flats: list[list[torch.Tensor]] = [[] for _ in layout.wire_shapes]
+    for part, info in zip(average, infos, strict=True):
+        flats[info.key].append(roundtrip(layout.codec, part, info))
+    return layout.unpack([torch.cat(f).view(s) for f, s in zip(flats, layout.wire_shapes, strict=True)])
 
 
 class MemorySwarm:
@@ -506,7 +521,7 @@ class MemorySwarm:
             for pid in ids:
                 group.results[pid] = AveragingFailed("no_group", "could not find a group")
         else:
-            # The reducers' aggregate, tensor by tensor: hivemind's parts, when every tensor fits in one part.
+            # The reducers' aggregate, part by part as hivemind cuts them (members send their decoded parts).
             aggregate = aggregator(members[0][0].cfg.averaging)
             if any(v != verdicts[0] for v in verdicts):  # would be a bug: honest peers judge alike
                 for pid in ids:
@@ -518,10 +533,8 @@ class MemorySwarm:
             average = [
                 aggregate([t[i] for _, t, _ in members], weights).tensor for i in range(len(members[0][1]))
             ]
-            codec = members[0][0].codec  # every member decodes the same bytes: one result for all
-            result = AverageResult(
-                tensors=[roundtrip(codec, a) for a in average], group_size=len(members), peers=ids
-            )
+            layout = members[0][0].layout  # every member decodes the same bytes: one result for all
+            result = AverageResult(tensors=_returned(layout, average), group_size=len(members), peers=ids)
             for pid in ids:  # each with whom its own averager left out for good, as ExactAverager's LeftOut
                 group.results[pid] = replace(result, refused=sorted(self.banned_by.get(pid, ())))
             self.averaged.append((group.round, list(ids)))
@@ -561,11 +574,11 @@ class MemorySwarm:
 
     # --- peers
     def connect(self, name: str) -> Callable[..., Link]:
-        def _connect(cfg, *, device, shapes, codec, state_provider, stop) -> Link:
-            peer = _Peer(self, name, cfg, codec, state_provider, stop)
+        def _connect(cfg, *, device, layout, state_provider, stop) -> Link:
+            peer = _Peer(self, name, cfg, layout, state_provider, stop)
             with self._lock:
                 self._peers[peer.peer_id] = peer
-            return Link(MemoryBoard(peer), MemoryAverager(peer, codec))
+            return Link(MemoryBoard(peer), MemoryAverager(peer, layout))
 
         return _connect
 

@@ -267,6 +267,17 @@ def test_a_model_file_embeds_only_what_differs_from_the_defaults_and_reads_back_
     )
 
 
+def test_a_checkpoints_config_reads_back_packed_or_not(tmp_path):
+    """averaging.packed left out of an embedded config means false (config.ABSENT_MEANS), as older releases
+    wrote it; true is written out."""
+    for packed in (True, False):
+        cfg = checkpoint.ExperimentConfig.model_validate({"averaging": {"packed": packed}})
+        embedded = json.loads(cfg.to_json())
+        assert ("packed" in embedded.get("averaging", {})) is packed
+        assert checkpoint._embedded_config(tmp_path / "x", cfg.to_json()).averaging.packed is packed
+    assert checkpoint._embedded_config(tmp_path / "x", "{}").averaging.packed is False
+
+
 def test_a_model_file_reads_back_as_written_whatever_the_readers_environment(tmp_path, monkeypatch):
     cfg, _, _, path = make(tmp_path)
     monkeypatch.setenv("P2PTRAIN_INNER__LR", "0.5")  # would fill a field the file leaves out, were it read

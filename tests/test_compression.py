@@ -8,14 +8,19 @@ from hivemind.averaging.partition import TensorPartContainer
 from hivemind.compression import CompressionInfo, Float16Compression, NoCompression
 
 from p2ptrain.compression import (
+    DEFAULT_PART_SIZE_BYTES,
     INT4_BLOCKWISE,
     INT8_BLOCKWISE,
     BlockwiseQuantization,
     ErrorFeedback,
     deserialize,
+    layout_for,
     make_codec,
+    packed_part_size,
     roundtrip,
+    wire_parts,
 )
+from p2ptrain.config import AveragingConfig
 
 CODES = {8: 127, 4: 7}
 
@@ -128,3 +133,98 @@ def test_error_feedback_discard_keeps_the_previous_residual():
     ef.prepare([torch.randn(1024)])
     ef.discard()
     assert torch.equal(ef.residuals[0], before)
+
+
+# Tensor packing (averaging.packed): the same values on the wire in far fewer parts.
+
+SHAPES = [
+    torch.Size([300, 7]),  # 2100 values: small, fp16 under int8/int4
+    torch.Size([5000]),  # large, not a whole number of blocks
+    torch.Size([3]),
+    torch.Size([64, 129]),  # large, 8256 values
+    torch.Size([40000]),
+]
+
+
+def _received(layout, wire_tensors):
+    """What a groupmate decodes from ``wire_tensors``, cut and keyed as hivemind cuts and keys them."""
+    decoded = [
+        roundtrip(layout.codec, p, info)
+        for p, info in wire_parts(wire_tensors, layout.codec, layout.part_size_bytes)
+    ]
+    out, start = [], 0
+    for t in wire_tensors:
+        flat = torch.cat(decoded)[start : start + t.numel()]
+        out.append(flat.view(t.shape))
+        start += t.numel()
+    return out
+
+
+@pytest.mark.parametrize("name", ["none", "fp16", "int8", "int4"])
+def test_packed_wire_carries_exactly_the_per_tensor_values(name):
+    torch.manual_seed(0)
+    tensors = [torch.randn(s) * (i + 1) for i, s in enumerate(SHAPES)]
+    per_tensor = layout_for(SHAPES, AveragingConfig(compression=name, packed=False))
+    packed = layout_for(SHAPES, AveragingConfig(compression=name, packed=True))
+    assert len(packed.wire_shapes) == (1 if name in ("none", "fp16") else 2)
+    expected = _received(per_tensor, per_tensor.pack(tensors))
+    got = packed.unpack(_received(packed, packed.pack(tensors)))
+    for g, e, t in zip(got, expected, tensors, strict=True):
+        assert g.shape == t.shape
+        assert torch.equal(g, e)
+
+
+def test_per_tensor_layout_is_the_identity():
+    layout = layout_for(SHAPES, AveragingConfig(packed=False))
+    assert layout.wire_shapes == tuple(SHAPES)
+    assert layout.part_size_bytes == DEFAULT_PART_SIZE_BYTES
+    tensors = [torch.randn(s) for s in SHAPES]
+    assert all(torch.equal(a, b) for a, b in zip(layout.pack(tensors), tensors, strict=True))
+
+
+def test_packed_large_tensors_start_on_a_block_and_padding_is_zeroed():
+    cfg = AveragingConfig(compression="int8", block_size=256)
+    layout = layout_for(SHAPES, cfg)
+    small, large = layout.wire_shapes
+    assert small.numel() == 2100 + 3  # fp16 needs no alignment
+    for shape, (bucket, offset) in zip(SHAPES, layout.places, strict=True):
+        assert bucket == (0 if shape.numel() < cfg.small_tensor_numel else 1)
+        assert bucket == 0 or offset % 256 == 0
+    # A groupmate's average left garbage in the buffers: pack must not let it raise a block's absmax.
+    out = [torch.full(s, 1e6) for s in layout.wire_shapes]
+    tensors = [torch.ones(s) for s in SHAPES]
+    flats = layout.pack(tensors, out=out)
+    assert flats[0] is out[0] and flats[1] is out[1]
+    assert flats[1].sum().item() == 5000 + 64 * 129 + 40000
+    assert flats[0].sum().item() == 2100 + 3
+
+
+def test_packing_gpt_micro_cuts_a_few_parts_whole_blocks_each():
+    from p2ptrain.config import ExperimentConfig
+    from p2ptrain.models import build_model
+
+    cfg = ExperimentConfig()
+    shapes = [p.shape for p in build_model(cfg.model.name, cfg.model.context_length).parameters()]
+    per_tensor = layout_for(shapes, cfg.averaging.model_copy(update={"packed": False}))
+    packed = layout_for(shapes, cfg.averaging)
+    metas = [torch.zeros(s) for s in packed.wire_shapes]
+    parts = wire_parts(metas, packed.codec, packed.part_size_bytes)
+    assert len(parts) < len(wire_parts([torch.zeros(s) for s in shapes], per_tensor.codec)) / 4
+    assert 6 <= len(parts) <= 12  # enough parts to give every reducer of a group of 6 some
+    # hivemind's own cut agrees with ours, and a quantized part is whole blocks (but for the last).
+    container = TensorPartContainer(
+        metas, peer_fractions=(1.0,), compression=packed.codec, part_size_bytes=packed.part_size_bytes
+    )
+    theirs = container.get_raw_input_parts(0)
+    assert [p.numel() for p in theirs] == [p.numel() for p, _ in parts]
+    for part, info in parts:
+        if info.key == 1 and part is not parts[-1][0]:
+            assert part.numel() % cfg.averaging.block_size == 0
+
+
+def test_packed_part_size_cuts_enough_parts_for_a_small_model_and_hiveminds_for_a_large_one():
+    assert packed_part_size(0.85e6) == 2**17  # gpt-micro under int8
+    assert packed_part_size(0.12e6) == 2**14  # gpt-nano
+    assert packed_part_size(3e6) == 2**18
+    assert packed_part_size(5e6) == DEFAULT_PART_SIZE_BYTES  # hivemind's, from 3 MB on
+    assert packed_part_size(10) == 2**12

@@ -15,7 +15,7 @@ from hivemind.proto import averaging_pb2
 
 from bench.hostile import Staller
 from p2ptrain.averaging import ExactAllReduceRunner, ExactAverager, SwarmAverager, round_group_bits
-from p2ptrain.compression import make_codec
+from p2ptrain.compression import layout_for
 from p2ptrain.config import AveragingConfig, SwarmConfig
 from p2ptrain.diloco import AveragingFailed, Snapshot
 from p2ptrain.swarm import Swarm
@@ -101,9 +101,8 @@ def swarm_of():
             SwarmAverager(
                 d,
                 run_id="t",
-                shapes=shapes,
+                layout=layout_for(shapes, config),
                 cfg=config,
-                codec=make_codec(config.compression),
                 client_mode=False,
                 state_provider=(list(state_providers) + [lambda: ({}, [])] * n)[i],
                 max_weight=10.0,
@@ -361,24 +360,29 @@ def test_a_groupmate_sending_ten_times_its_flipped_pseudo_gradient_is_left_out(s
         assert all(r.outliers == {} for r in results)
 
 
-@pytest.mark.parametrize("attack", [None, "claims_weight", "sends_other", "copies_sketch"])
+@pytest.mark.parametrize(
+    "attack, packed",
+    [(None, False), (None, True), ("claims_weight", True), ("sends_other", True), ("copies_sketch", True)],
+)
 def test_reducers_check_each_part_against_its_senders_seal_and_each_weight_against_the_verdict(
-    swarm_of, attack
+    swarm_of, attack, packed
 ):
     """A verifiable round's verdict and seals, handed to each averager (as the trainer does): honest parts,
     sealed and sketched by verify.wire with the run's codec, pass every real reducer's check byte for byte;
     a groupmate that claims another weight than the verdict's, sends other bytes than it sealed, or
     published a sketch that is not of its bytes is refused by every reducer, and the round is averaged
     without it. A fourth peer the verdict left out finds no group. (A hostile reducer can still answer its
-    own slice with anything: robust aggregation's and verification's known limit.)"""
-    # Five parts of hivemind's 512 KiB (int8): every member reduces one at least, so each sees the attacker.
+    own slice with anything: robust aggregation's and verification's known limit.) Packed or tensor by
+    tensor, the seals are of the parts as the averager cuts them."""
+    # Five parts of 512 KiB (int8, per tensor), 16 of 128 KiB (packed): every member reduces one at least,
+    # so each sees the attacker.
     shapes = [torch.Size([2_100_000]), torch.Size([7, 3])]
-    averagers = swarm_of(4, compression="int8", aggregator="mean", retries=1, shapes=shapes)
+    averagers = swarm_of(4, compression="int8", aggregator="mean", retries=1, shapes=shapes, packed=packed)
     ids = [a.peer_id for a in averagers]
-    codec = make_codec("int8")
+    layout = averagers[0].layout
     torch.manual_seed(0)
     xs = [[torch.randn(s) for s in shapes] for _ in range(4)]
-    wires = [wire(x, codec) for x in xs]
+    wires = [wire(layout.pack(x), layout.codec, layout.part_size_bytes) for x in xs]
     sketches = [sketch(w.parts, 5).float() for w in wires]
     if attack == "copies_sketch":
         sketches[2] = sketches[0]

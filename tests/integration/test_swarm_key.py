@@ -15,7 +15,7 @@ from hivemind.proto import averaging_pb2
 
 from p2ptrain.addrs import SwarmError
 from p2ptrain.averaging import ExactAverager, SwarmAverager
-from p2ptrain.compression import make_codec
+from p2ptrain.compression import layout_for
 from p2ptrain.config import AveragingConfig, SwarmConfig
 from p2ptrain.membership import generate_swarm_key
 from p2ptrain.swarm import Swarm, create_dht, stop_dht
@@ -60,9 +60,8 @@ def keyed(tmp_path, logs):
                 SwarmAverager(
                     board.dht,
                     run_id="t",
-                    shapes=SHAPES,
-                    cfg=AveragingConfig(),
-                    codec=make_codec("none"),
+                    layout=layout_for(SHAPES, AveragingConfig(compression="none")),
+                    cfg=AveragingConfig(compression="none"),
                     client_mode=False,
                     state_provider=lambda: ({"round": 7}, [torch.arange(10.0)]),
                     stop=threading.Event(),
