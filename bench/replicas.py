@@ -155,6 +155,8 @@ def run(rounds: int, seeds: int, shards: int, grace: int, honest_seeds: int | No
         n: int = seeds,
     ):
         # As a verifiable round compares them: what each would send (the run's codec), sealed, then sketched.
+        # Tensor by tensor (averaging.packed=false): packing moves the same decoded values into other parts,
+        # which changes the sketch's buckets but not what it estimates (the distance of the two vectors).
         wa, wb = wire(a[1], codec), wire(b[1], codec)
         commits = [commitment(wa.digests), commitment(wb.digests)]
         for s in range(n):

@@ -401,9 +401,10 @@ def test_reducers_check_each_part_against_its_senders_seal_and_each_weight_again
         [lambda a=a, x=x, w=w: a.average(x, weight=w, round=4) for a, x, w in zip(averagers, sent, claimed)]
     )
     honest = 3 if attack is None else 2
+    seen = [r if isinstance(r, Exception) else (r.peers, r.refused, r.outliers) for r in results]
     for r in results[:honest]:
-        assert not isinstance(r, Exception), r
-        assert sorted(r.peers) == sorted(ids[:honest])
+        assert not isinstance(r, Exception), (ids, seen)  # every member's outcome, to tell who refused whom
+        assert sorted(r.peers) == sorted(ids[:honest]), (ids, seen)
         for k in range(len(shapes)):
             assert torch.equal(r.tensors[k], results[0].tensors[k])
     weights = list(verdict.values())[:honest]
