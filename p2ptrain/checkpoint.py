@@ -175,7 +175,9 @@ def save(
         "state_hash": _all_tensors_hash(tensors),
         "counters": json.dumps(counters or {}),
         "swarm": json.dumps(swarm or {}),
-        "config": cfg.to_json(),  # fields at their defaults left out: a release that adds fields reads it
+        # Fields at their defaults left out: a release that adds fields reads it. But averaging.packed is
+        # written when true (config.ABSENT_MEANS), which releases before 2026-12-03 refuse as unknown.
+        "config": cfg.to_json(),
     }
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

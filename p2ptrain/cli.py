@@ -180,7 +180,8 @@ def swarm_experiment(overrides: dict[str, Any]) -> Any:
         which = f"run {run_id}" if run_id else "any run"
         raise fail(
             f"the swarm publishes no experiment for {which} (its peers may run an older p2ptrain, or have "
-            "left): pass the run's config with --config",
+            "left): pass the run's config with --config (and --set averaging.packed=false for a run started "
+            "before 2026-12-03, whose peers send tensor by tensor)",
             EXIT_RUNTIME,
         )
     try:

@@ -48,7 +48,10 @@ PACKED_PARTS = 6
 """How many parts a packed layout cuts at least (while they stay over 4 KiB): a packed vector has no tensor
 boundaries to spread its parts over reducers, and hivemind gives each part to one reducer whole, so fewer
 parts than groupmates leaves some reducing nothing and the others the whole vector. gpt-micro's int8 vector
-(0.85 MB) is 8 parts of 128 KiB; gpt-nano's (0.12 MB) 8 of 16 KiB; from 3 MB on, hivemind's 512 KiB."""
+(0.85 MB) is 8 parts of 128 KiB (one of them the fp16 bucket); gpt-nano's (0.12 MB) 9 of 16 KiB; from 3 MiB
+on, hivemind's 512 KiB. A group of a small model larger than its parts leaves the other reducers idle: one
+of G > 8 peers on gpt-micro moves G / 8 times the balanced bytes through each busy reducer (of a vector
+under 1 MB)."""
 
 
 def packed_part_size(wire_bytes: float) -> int:
@@ -176,8 +179,9 @@ def make_codec(
 
 
 def codec_for(cfg: AveragingConfig) -> CompressionBase:
-    """The codec of an ``averaging`` config section. Build it once per peer: error feedback and the
-    averager must round with the very same codec for the residual to be exactly what the wire drops."""
+    """The per-tensor codec of an ``averaging`` config section: what error feedback rounds each tensor with,
+    and the wire codec tensor by tensor (:func:`layout_for`). Deterministic, so the residual is exactly what
+    the wire drops whichever object encodes it, packed or not."""
     return make_codec(cfg.compression, block_size=cfg.block_size, small_tensor_numel=cfg.small_tensor_numel)
 
 

@@ -696,7 +696,8 @@ ABSENT_MEANS: dict[str, dict[str, Any]] = {"averaging": {"packed": False}}
 """Fields whose absence means other than their default: a field added with a new behaviour as its default
 (new runs get it) while the runs of older releases, which leave the field out, keep the old one. Each is
 left out only at this value, so a run at the default publishes it, and an older release refuses to join
-rather than train with a different wire."""
+rather than train with a different wire. The cost: an older release cannot read a model file with such a
+field set to its default either (it names the field as a newer release's: upgrade to read it)."""
 
 
 def training_defaults(sections: Iterable[str] = TRAINING_SECTIONS) -> dict[str, dict[str, Any]]:

@@ -424,7 +424,7 @@ class Trainer:
             seed=cfg.run.seed,
             **self.corpus.model_args(),
         )
-        self.codec = codec_for(cfg.averaging)  # one codec: error feedback must round as the wire does
+        self.codec = codec_for(cfg.averaging)  # error feedback rounds each tensor as the wire does
         shapes = [p.shape for p in self.model.parameters() if p.requires_grad]
         # Packed or not, the wire carries exactly what self.codec rounds each tensor to (compression.Layout).
         self.layout = layout_for(shapes, cfg.averaging)

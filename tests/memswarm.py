@@ -414,8 +414,9 @@ class MemorySwarm:
 
     # --- the all-reduce
     def allreduce(
-        self, peer: _Peer, tensors: list[torch.Tensor], weight: float, round: int, sent: Wire
+        self, peer: _Peer, parts: list[torch.Tensor], weight: float, round: int, sent: Wire
     ) -> AverageResult:
+        """``parts``: the decoded parts ``peer`` sends (its ``sent`` wire's), which the group aggregates."""
         cfg = peer.cfg.averaging
         with self._lock:
             group = self._groups.get(round)
@@ -423,7 +424,7 @@ class MemorySwarm:
                 group = self._groups[round] = _Group(
                     round, time.monotonic() + cfg.matchmaking_time_s, cfg.target_group_size
                 )
-            group.members.append((peer, tensors, weight))
+            group.members.append((peer, parts, weight))
             self.weights[(peer.name, round)] = weight
             group.wires[peer.peer_id] = sent
             if len(group.members) >= group.target or self._everyone_ready_is_in(group):

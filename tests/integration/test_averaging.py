@@ -374,8 +374,8 @@ def test_reducers_check_each_part_against_its_senders_seal_and_each_weight_again
     without it. A fourth peer the verdict left out finds no group. (A hostile reducer can still answer its
     own slice with anything: robust aggregation's and verification's known limit.) Packed or tensor by
     tensor, the seals are of the parts as the averager cuts them."""
-    # Five parts of 512 KiB (int8, per tensor), 16 of 128 KiB (packed): every member reduces one at least,
-    # so each sees the attacker.
+    # Five parts of 512 KiB (int8, per tensor), 9 of 256 KiB and one fp16 part (packed): every member
+    # reduces one at least, so each sees the attacker.
     shapes = [torch.Size([2_100_000]), torch.Size([7, 3])]
     averagers = swarm_of(4, compression="int8", aggregator="mean", retries=1, shapes=shapes, packed=packed)
     ids = [a.peer_id for a in averagers]
