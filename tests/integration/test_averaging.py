@@ -196,15 +196,19 @@ def test_peers_of_different_rounds_never_average(swarm_of):
 
 
 def test_a_groupmate_that_dies_mid_allreduce_never_leaves_a_partial_average(swarm_of):
+    # Packed, 4 KB of SHAPES would be one part, for one reducer: 120 KB are 8 parts, some for every reducer.
+    shapes = [torch.Size([30_000]), torch.Size([7, 3])]
     averagers = swarm_of(
         3,
         classes=[DiesAfterServingOnePart],
         compression="none",
         next_chunk_timeout_s=2.0,
         allreduce_timeout_s=5.0,
+        shapes=shapes,
     )
-    xs = inputs(3)
-    full = [sum(x[k] for x in xs) / 3 for k in range(len(SHAPES))]
+    torch.manual_seed(0)
+    xs = [[torch.randn(s) * (i + 1) for s in shapes] for i in range(3)]
+    full = [sum(x[k] for x in xs) / 3 for k in range(len(shapes))]
     # hivemind sometimes gives a groupmate no slice to reduce; then it has nothing to die serving, and the
     # round is simply averaged. Try again (a new group each round) until it does die serving.
     for round_ in range(5):
@@ -228,7 +232,7 @@ def test_a_groupmate_that_dies_mid_allreduce_never_leaves_a_partial_average(swar
     dying.join(10)
     # hivemind's reducers drop a sender that dies and average the parts that did arrive; so a slice's average is
     # over all three peers, or over the two survivors. Never a survivor's own values: that is a partial result.
-    two_way = [(xs[1][k] + xs[2][k]) / 2 for k in range(len(SHAPES))]
+    two_way = [(xs[1][k] + xs[2][k]) / 2 for k in range(len(shapes))]
     averaged = [r for r in survivors if not isinstance(r, AveragingFailed)]
     assert not [r for r in averaged if isinstance(r, Exception)], survivors
     for r in averaged:
