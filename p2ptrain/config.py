@@ -21,7 +21,7 @@ import hashlib
 import json
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -710,11 +710,15 @@ def training_defaults(sections: Iterable[str] = TRAINING_SECTIONS) -> dict[str, 
     }
 
 
-def leave_out_absent(doc: dict[str, Any]) -> dict[str, Any]:
-    """Sections (as JSON) without the fields a reader takes as left out (:func:`training_defaults`)."""
-    absent = training_defaults(doc)
+def leave_out_absent(doc: Mapping[str, Any]) -> dict[str, Any]:
+    """Sections (as JSON) without the fields a reader takes as left out (:func:`training_defaults`). A
+    section this release does not know, or one that is not a mapping (a peer's published experiment may hold
+    either), is kept as it is."""
+    absent = training_defaults([name for name in doc if name in ExperimentConfig.model_fields])
     return {
-        name: {k: v for k, v in fields.items() if k not in absent[name] or absent[name][k] != v}
+        name: {k: v for k, v in fields.items() if k not in absent.get(name, {}) or absent[name][k] != v}
+        if isinstance(fields, Mapping)
+        else fields
         for name, fields in doc.items()
     }
 

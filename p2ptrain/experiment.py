@@ -38,6 +38,7 @@ from p2ptrain.config import (
     ConfigError,
     ExperimentConfig,
     deep_merge,
+    leave_out_absent,
     load_config,
     training_defaults,
     without_own_fields,
@@ -91,7 +92,7 @@ def canonical(sections: Mapping[str, Any]) -> str:
 
 def digest(sections: Mapping[str, Any]) -> str:
     """The experiment's identity: the same for the sections of one run whichever release wrote them."""
-    return hashlib.sha256(canonical(sparse(sections)).encode()).hexdigest()[:16]
+    return hashlib.sha256(canonical(leave_out_absent(sections)).encode()).hexdigest()[:16]
 
 
 def _signed_bytes(run_id: str, sections: str, created: float) -> bytes:
@@ -213,18 +214,6 @@ def differences(ours: Mapping[str, Any], theirs: Mapping[str, Any]) -> list[str]
         if here != there:
             out.append(f"{key}: {_show(here)} here, {_show(there)} in the swarm")
     return out
-
-
-def sparse(sections: Mapping[str, Any]) -> dict[str, Any]:
-    """Training sections without the fields at their defaults (as :meth:`ExperimentConfig.training_sections`
-    writes them): an older release's full sections and a newer one's sparse ones of one run are equal so."""
-    defaults = training_defaults()
-    return {
-        name: {k: v for k, v in fields.items() if k not in defaults.get(name, {}) or defaults[name][k] != v}
-        if isinstance(fields, Mapping)
-        else fields
-        for name, fields in sections.items()
-    }
 
 
 def peers_count(n: int) -> str:
