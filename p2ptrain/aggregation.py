@@ -71,12 +71,24 @@ def mean(parts: Sequence[torch.Tensor], weights: Sequence[float]) -> Aggregated:
     return Aggregated(weighted_mean(parts, weights))
 
 
+SORTING_NETWORK_MAX = 16
+"""Up to this many parts, :func:`coordinate_median` sorts each coordinate with elementwise min / max (an
+odd-even transposition network): torch's sort along a short first dimension is slow (3.3 ms for 3 parts of
+128 Ki values on this machine, against 0.45 ms; 14 ms against 4.6 for 8 parts; 38 against 24 for 16)."""
+
+
 def coordinate_median(parts: Sequence[torch.Tensor] | torch.Tensor) -> torch.Tensor:
     """The median of each coordinate (the mean of the two middle values for an even count), in float64.
     ``parts``: tensors of one shape, or one tensor stacking them along its first dimension."""
-    ordered = torch.stack([p.double() for p in parts]).sort(dim=0).values
-    n = len(parts)
-    return (ordered[(n - 1) // 2] + ordered[n // 2]) / 2
+    rows = [p.double() for p in parts]
+    n = len(rows)
+    if n > SORTING_NETWORK_MAX:
+        ordered = torch.stack(rows).sort(dim=0).values
+        return (ordered[(n - 1) // 2] + ordered[n // 2]) / 2
+    for r in range(n):  # n rounds of odd-even transposition sort every column
+        for i in range(r % 2, n - 1, 2):
+            rows[i], rows[i + 1] = torch.minimum(rows[i], rows[i + 1]), torch.maximum(rows[i], rows[i + 1])
+    return (rows[(n - 1) // 2] + rows[n // 2]) / 2
 
 
 def centered_clip(
@@ -109,6 +121,15 @@ def centered_clip(
     xs = xs[kept]
     w = torch.tensor([float(x) for x in weights], dtype=torch.float64)[kept]
     share = w / w.sum()
+    # When no kept part is farther than tau from their weighted mean, the mean is the fixed point: unclipped,
+    # the offsets sum to zero there. The problem is convex (a Huber loss of each distance) and strictly so
+    # around that point, so it is the only one: the answer, exactly, for the price of one pass (an honest
+    # group's usual case; the iterations below took 5 ms a part to approach it).
+    m = share @ xs
+    if bool((torch.linalg.vector_norm(xs - m, dim=1) <= tau).all()):
+        return Aggregated(
+            m.clamp_(-_FLOAT32_MAX, _FLOAT32_MAX).float().reshape(parts[0].shape), _indices(~kept)
+        )
     for _ in range(MAX_ITERS):
         offsets = xs - v
         norms = torch.linalg.vector_norm(offsets, dim=1)

@@ -307,8 +307,9 @@ class RobustPartReducer(TensorPartReducer):
     hivemind adds each sender's part into a running sum and divides by the total weight once every sender's
     part is in. This one collects the parts, in sender order (so that the result does not depend on the
     order they arrived in), and ``aggregate``s them (``aggregation.py``) in a worker thread: a robust
-    aggregate takes long enough (tens of milliseconds per part, more in large groups) that in the event loop
-    it would hold up every other stream of the averager.
+    aggregate takes long enough (4 ms for a part of 128 Ki values from 3 senders on this machine, more when
+    someone is clipped and in large groups) that in the event loop it would hold up every other stream of the
+    averager.
     """
 
     def __init__(self, part_shapes: Sequence[torch.Size], num_senders: int, *, aggregate: Aggregate):

@@ -26,7 +26,39 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_an_honest_group_gets_its_weighted_mean():
     parts = honest_parts(4)
     weights = [40.0, 40.0, 20.0, 40.0]
-    assert rel(clip(parts, weights), weighted_mean(parts, weights)) < 1e-5
+    # Exactly, up to float32 rounding: no part is beyond the radius, so the mean is the fixed point itself.
+    assert rel(clip(parts, weights), weighted_mean(parts, weights)) < 1e-7
+
+
+def fixed_point_residual(parts, weights, result, clip_radius=2.0) -> float:
+    """How far ``result`` is from CenteredClip's equation sum_i w_i clip(x_i - v, tau) = 0, against tau."""
+    xs = torch.stack([p.double() for p in parts])
+    v = result.double()
+    tau = clip_radius * float(coordinate_median(torch.linalg.vector_norm(xs - coordinate_median(xs), dim=1)))
+    offsets = xs - v
+    scale = torch.clamp(tau / torch.linalg.vector_norm(offsets, dim=1), max=1.0)
+    w = torch.tensor(weights, dtype=torch.float64)
+    return float(torch.linalg.vector_norm((w / w.sum() * scale) @ offsets)) / tau
+
+
+@pytest.mark.parametrize("spread", [0.1, 0.5, 3.0])
+@pytest.mark.parametrize("flip", [False, True], ids=["honest", "one_flips"])
+def test_the_result_solves_centered_clips_equation(spread, flip):
+    # Whether it takes the one-pass answer (nobody beyond the radius) or iterates to it (someone is).
+    parts = honest_parts(5, spread=spread, seed=3)
+    if flip:
+        parts[4] = -3 * parts[4]
+    weights = [1.0, 2.0, 1.0, 1.0, 3.0]
+    assert fixed_point_residual(parts, weights, clip(parts, weights)) < 1e-5
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 7, 16, 17, 24])
+def test_coordinate_median_agrees_with_sorting(n):
+    # Up to SORTING_NETWORK_MAX parts by a min/max network, beyond by torch's sort; ties included.
+    gen = torch.Generator().manual_seed(n)
+    parts = [torch.randint(-3, 4, (257,), generator=gen).float() * 0.5 for _ in range(n)]
+    ordered = torch.stack(parts).double().sort(dim=0).values
+    assert torch.equal(coordinate_median(parts), (ordered[(n - 1) // 2] + ordered[n // 2]) / 2)
 
 
 @pytest.mark.parametrize("n", [1, 2])
