@@ -390,11 +390,13 @@ class _Outcome:
     dropped: list[str] = field(default_factory=list)
     """Senders our reducer dropped (they stalled, or sent nothing we could use): not in this average."""
     outliers: dict[str, int] = field(default_factory=dict)
+    """Groupmates whose parts our reducer's aggregate left out, and how many parts."""
     refused: list[str] = field(default_factory=list)
     """Every peer left out for good so far (LeftOut), as of this all-reduce."""
     stalled: list[str] = field(default_factory=list)
     """Peers left out of the next rounds for stalling (LeftOut), as of this all-reduce."""
-    """Groupmates whose parts our reducer's aggregate left out, and how many parts."""
+    allreduce_s: float = 0.0
+    """From the moment the group was formed to the end of the all-reduce (the step's rest is matchmaking)."""
 
 
 class Fault(str, Enum):
@@ -853,6 +855,7 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
             self._groupmates.pop(group_info.group_id, None)
 
     async def _aggregate_with_group(self, group_info, min_vector_size: int, **kwargs):
+        formed = time.monotonic()
         self._last_allreduce = _Outcome()
         # A group that another leader formed may hold a peer we left out: never average with it.
         excluded = [p for p in group_info.peer_ids if self._left_out_now(p)]
@@ -863,6 +866,7 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
         gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
         self._last_allreduce.refused = self._left_out.for_good()
         self._last_allreduce.stalled = self._left_out.for_a_while(self._round)
+        self._last_allreduce.allreduce_s = time.monotonic() - formed
         return {"gathered": gathered, "outcome": self._last_allreduce}
 
     async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs):
@@ -1065,6 +1069,7 @@ class SwarmAverager:
             peers = sorted(str(g.get("peer", "?"))[:128] for g in infos)
             outcome: _Outcome = out["outcome"]
             contributors = [p for p in peers if p not in outcome.dropped]
+            step_s = time.monotonic() - t0
             return AverageResult(
                 tensors=averaged,
                 group_size=len(contributors),
@@ -1074,6 +1079,8 @@ class SwarmAverager:
                 outliers=outcome.outliers,
                 refused=list(outcome.refused),
                 stalled=list(outcome.stalled),
+                matchmaking_s=max(0.0, step_s - outcome.allreduce_s),
+                allreduce_s=outcome.allreduce_s,
             )
         reason = (
             "no_group"

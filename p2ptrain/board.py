@@ -149,6 +149,7 @@ class BoardService:
         self.members: set[str] = set()
         """Peers whose signed record this node has read from the DHT: only they may push."""
         self.version = 0
+        self._news: asyncio.Event | None = None
         self.traffic = Traffic()
         self._own: ProgressRecord | None = None
         self._stored_at = -float("inf")
@@ -180,10 +181,27 @@ class BoardService:
         for pid in expired:
             del self.entries[pid]
         if expired:
-            self.version += 1
+            self._changed()
         if since == self.version:
             return self.version, None
         return self.version, {pid: e.record for pid, e in self.entries.items()}
+
+    async def news(self, since: int, timeout_s: float) -> int:
+        """Wait until the records differ from version ``since`` (at once if they do) or ``timeout_s`` passed;
+        the version now. A barrier waits with it: it hears of a groupmate's push as it lands, not at its next
+        poll."""
+        if self.version == since:
+            if self._news is None:
+                self._news = asyncio.Event()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._news.wait(), timeout_s)
+        return self.version
+
+    def _changed(self) -> None:
+        self.version += 1
+        if self._news is not None:  # wake whoever waits for news
+            self._news.set()
+            self._news = None
 
     async def live_members(self, peer: str | None = None) -> set[str]:
         """The live peers (us included); when ``peer`` is not among them (a caller of our averager that we have
@@ -199,7 +217,7 @@ class BoardService:
             changed = entry is None or record != entry.record
             self.entries[record.peer_id] = _Entry(record, max(expires, entry.expires if entry else 0.0))
             if changed:
-                self.version += 1
+                self._changed()
             return True
         entry.expires = max(entry.expires, expires)
         return False

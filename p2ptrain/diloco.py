@@ -50,6 +50,10 @@ class AverageResult:
     was banned)."""
     stalled: list[str] = field(default_factory=list)
     """Peers this peer's averager leaves out of the next rounds: they stalled an all-reduce."""
+    matchmaking_s: float = 0.0
+    """Of the successful attempt: from asking for a group until it was formed (on the averager's pipe)."""
+    allreduce_s: float = 0.0
+    """Of the successful attempt: from the group's forming to the average."""
 
 
 class Averager(Protocol):
@@ -85,6 +89,10 @@ class OuterStepReport:
     """``AverageResult.refused``."""
     stalled: list[str] = field(default_factory=list)
     """``AverageResult.stalled``."""
+    matchmaking_s: float = 0.0
+    """``AverageResult.matchmaking_s`` (0 without an average)."""
+    allreduce_s: float = 0.0
+    """``AverageResult.allreduce_s`` (0 without an average)."""
 
 
 @dataclass
@@ -289,6 +297,8 @@ class DiLoCo:
             outliers=dict(result.outliers),
             refused=list(result.refused),
             stalled=list(result.stalled),
+            matchmaking_s=result.matchmaking_s,
+            allreduce_s=result.allreduce_s,
         )
 
     def check_average(self, tensors: Sequence[torch.Tensor]) -> str | None:

@@ -46,6 +46,9 @@ class Board(Protocol):
         """Every unexpired record by peer id, ``left`` ones and our own included."""
         ...
 
+    def wait_for_news(self, timeout_s: float) -> None:
+        """Return when the records may have changed since the last :meth:`records` (or after ``timeout_s``)."""
+
     def experiments(self) -> list[Experiment]:
         """Every experiment published in the swarm whose owner's signature holds."""
         ...

@@ -381,6 +381,13 @@ class Swarm:
         future.result(timeout=BOARD_TIMEOUT_S)
         self._experiment_stored = time.monotonic()
 
+    def wait_for_news(self, timeout_s: float) -> None:
+        """Return as soon as the DHT child's board holds records other than those of our last reading (a push
+        came), or after ``timeout_s``."""
+        with self._lock:
+            future = self.dht.board("news", since=self._version, timeout_s=timeout_s, return_future=True)
+        future.result(timeout=BOARD_TIMEOUT_S + timeout_s)
+
     def records(self) -> dict[str, ProgressRecord]:
         """Every unexpired record by peer id, ``left`` ones and our own included: what the DHT child's board
         holds (no network; the records are sent over only when they changed since our last reading)."""

@@ -94,9 +94,9 @@ STEP_OF_MATCHMAKING = 0.25
 done, well inside the time the group's leader waits for its members."""
 
 BARRIER_POLL_S = 0.05
-"""How often the barrier reads the records (or every half heartbeat, if that is shorter): the round's peers
-leave it within this of the last one's arrival (plus the push that says so). A read asks the DHT child's
-table of records (``board.py``), not the network."""
+"""The longest the barrier goes without reading the records (or half a heartbeat, if that is shorter). A push
+that lands in the DHT child's table wakes it at once (``Board.wait_for_news``): the round's peers leave it as
+the last one's push arrives. A read asks that table (``board.py``), not the network."""
 
 CLAIM_POLL_START_S = 0.05
 """The first wait between reads of a verifiable round's claims (doubling up to half a heartbeat)."""
@@ -850,7 +850,10 @@ class Trainer:
                     ready=len(decision.ready),
                     waiting_for=len(decision.waiting_for),
                 )
-                if self.stop.wait(min(BARRIER_POLL_S, self._poll_s)):
+                # Woken by the push of a peer we wait for, as it lands; the decision's clock (timeouts, a
+                # peer's record expiring) is read at least every BARRIER_POLL_S.
+                self.board.wait_for_news(min(BARRIER_POLL_S, self._poll_s))
+                if self.stop.is_set():
                     return None  # stopping: leave the round unfinished rather than step alone
         if decision.timed_out:
             self.memory.waited_out_on(decision.waiting_for, self.round)  # not waited for again for a while
@@ -1406,6 +1409,8 @@ class Trainer:
             barrier_s=round(stats.barrier_s, 3),
             verify_s=round(stats.verify_s, 3),
             sync_s=round(stats.sync_s, 3),
+            matchmaking_s=round(report.matchmaking_s, 3),
+            allreduce_s=round(report.allreduce_s, 3),
             eval_s=round(stats.eval_s, 3),
         )
 

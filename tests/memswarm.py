@@ -244,6 +244,10 @@ class MemoryBoard:
                 peer.hit(Point.FINISHED, peer.status["round"])
         return self._read()
 
+    def wait_for_news(self, timeout_s: float) -> None:
+        self._peer.check_alive()
+        self._peer.gone.wait(timeout_s)  # as a poll: the in-memory swarm keeps no versions
+
     def experiments(self) -> list[Experiment]:
         self._peer.check_alive()
         return self._peer.swarm.experiments()

@@ -85,6 +85,25 @@ def test_the_newest_record_wins_and_any_record_keeps_its_peer_alive():
     assert found[OTHER].round == 4 and found[OTHER].state == PeerState.AVERAGING
 
 
+def test_a_waiter_for_news_wakes_when_a_push_lands_and_otherwise_when_its_time_is_up():
+    b = board()
+    b.members.add(OTHER)
+    version, _ = b.records()
+
+    async def scenario():
+        waiter = asyncio.create_task(b.news(since=version, timeout_s=30.0))
+        await asyncio.sleep(0)  # it waits: nothing changed
+        assert not waiter.done()
+        b._take_pushed(OTHER, push(record(state=PeerState.AVERAGING)))
+        woke = await asyncio.wait_for(waiter, 10.0)  # long before its 30 s
+        same = await b.news(since=woke, timeout_s=0.01)  # nothing new since: back after its time
+        stale = await asyncio.wait_for(b.news(since=version, timeout_s=30.0), 10.0)  # behind already: at once
+        return woke, same, stale
+
+    woke, same, stale = asyncio.run(scenario())
+    assert woke == version + 1 and same == woke and stale == woke
+
+
 def test_a_peer_that_says_nothing_for_its_time_to_live_is_gone_and_our_own_record_never_expires():
     b = board()
     b._take(record(peer=OTHER), get_dht_time() - 1)
