@@ -196,6 +196,11 @@ class OuterConfig(_Section):
     barrier, all-reduce, outer step and evaluation of round r run in the background during round r+1's inner
     phase, whose progress so far is carried over onto the new global params when they land. Verifiable
     rounds (verification.replicas > 1) never overlap: replicas must start a round from its params."""
+    overlap_carry: float = Field(default=1.0, ge=0.0, le=1.0)
+    """With outer.overlap: the share of the inner progress made while a round's sync ran that is kept when its
+    new global params land (1: all of it; 0: none, those steps are then wasted). Those steps were taken from
+    the peer's own params, not the new global ones; keeping half of them did better than keeping all in the
+    simulated default experiment (docs/benchmarks.md, overlapping the outer sync)."""
 
 
 class AveragingConfig(_Section):

@@ -137,7 +137,10 @@ class DiLoCo:
         momentum: float,
         nesterov: bool,
         error_feedback: ErrorFeedback | None = None,
+        carry: float = 1.0,
     ):
+        self.carry = carry
+        """Overlap: the share of the inner progress made since :meth:`detach` that :meth:`land` keeps."""
         self.model_params = [p for p in model.parameters() if p.requires_grad]
         # The master copy: CPU float32, whatever the device and dtype of the inner phase.
         self.master = [p.detach().to("cpu", torch.float32, copy=True) for p in self.model_params]
@@ -174,8 +177,11 @@ class DiLoCo:
 
     def land(self) -> bool:
         """End a detached sync (in the thread that trains the model, between two steps): carry the inner
-        progress made since :meth:`detach` over onto the master params (local += master - start), or drop it
-        (local = master) if the sync said so. Returns whether the progress was kept."""
+        progress made since :meth:`detach` over onto the master params (local = master + carry * (local -
+        start)), or drop it (local = master) if the sync said so. Returns whether the progress was kept.
+
+        Those steps were taken from our own params, not from the new master ones, and they are worth less
+        there the further apart the two are: ``carry`` < 1 keeps a share of them (``outer.overlap_carry``)."""
         with torch.no_grad(), self.lock:
             detached, self._detached = self._detached, None
             if detached is None:
@@ -184,7 +190,11 @@ class DiLoCo:
                 self._copy_master_to_model()
                 return False
             for p, m, start in zip(self.model_params, self.master, detached.start):
-                p.add_((m - start).to(p.device, p.dtype))
+                if self.carry == 1.0:  # all of it: as before the share existed, bit for bit
+                    p.add_((m - start).to(p.device, p.dtype))
+                else:
+                    progress = p.detach().to("cpu", torch.float32) - start
+                    p.copy_((m + self.carry * progress).to(p.device, p.dtype))
             return True
 
     def outer_step(self, averaged_delta: Sequence[torch.Tensor]) -> None:

@@ -449,6 +449,7 @@ class Trainer:
             momentum=cfg.outer.momentum,
             nesterov=cfg.outer.nesterov,
             error_feedback=error_feedback,
+            carry=cfg.outer.overlap_carry,
         )
         self.link = self.connect(
             cfg,

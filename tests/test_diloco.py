@@ -240,6 +240,22 @@ def test_a_detached_sync_carries_the_next_rounds_progress_over_onto_the_new_para
     assert not d.detached and d.pseudo_gradient()[0].item() == pytest.approx(0.05)
 
 
+@pytest.mark.parametrize("carry", [0.5, 0.0])
+def test_a_detached_sync_keeps_its_share_of_the_progress_made_since(carry):
+    """outer.overlap_carry: the steps taken from our own params keep only that share on the new ones."""
+    model = scalar_model(1.0)
+    d = DiLoCo(model, lr=1.0, momentum=0.0, nesterov=False, carry=carry)
+    with torch.no_grad():
+        model.w.fill_(0.8)
+    d.detach()
+    with torch.no_grad():
+        model.w.sub_(0.1)  # round 1's progress while round 0 is averaged
+    d.sync(FakeAverager(others=[([torch.tensor([0.4])], 1.0)]), weight=1.0, round=0)
+    assert d.land() is True
+    assert model.w.item() == pytest.approx(0.7 - carry * 0.1)
+    assert d.pseudo_gradient()[0].item() == pytest.approx(carry * 0.1)  # what round 1 sends holds that share
+
+
 @pytest.mark.parametrize("how", ["failed", "non_finite", "loaded"])
 def test_a_detached_sync_that_applies_nothing_drops_the_progress_made_since(how):
     model = scalar_model(1.0)
