@@ -3,13 +3,16 @@ pseudo-gradient averaged while the next round's first τ inner steps train from 
 over onto the new global params when the average lands (``outer.overlap``: ``DiLoCo.detach`` and ``land``,
 the trainer's own code). τ is how many inner steps the sync takes; every run trains the same samples.
 
-Side by side: τ = 0 (no overlap), the same τ steps carried over, and the same τ steps thrown away (the
-round then trains H - τ steps: what a stale step would be worth if it were worth nothing). One seed's run
+Side by side: τ = 0 (no overlap), the same τ steps carried over (all of them, and a share of them:
+``outer.overlap_carry``, ``--carries``), and the same τ steps thrown away (the round then trains H - τ steps:
+what a stale step would be worth if it were worth nothing). One seed's run
 says little: the seed alone (data order, init) moves the final loss by 10% in this short run, and by a few
 percent any change of schedule; each row is the mean over ``--seeds`` of each seed's ratio to its own run
 without overlap.
 
-    python -m bench.overlap [--taus 1 3] [--peers 3] [--seeds 0 1 2]
+    python -m bench.overlap [--taus 1 3] [--carries 1.0 0.5] [--peers 3] [--seeds 0 1 2] [--workers 2]
+
+Each simulation runs on one thread; ``--workers`` of them at a time, in processes of their own.
 
 Writes bench/results/overlap.json and the overlap table in docs/benchmarks.md.
 """
@@ -19,6 +22,8 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from concurrent.futures import ProcessPoolExecutor
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -35,13 +40,15 @@ from p2ptrain.models import build_model
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def simulate(cfg, peers: int, tau: int, *, keep: bool = True) -> float:
+def simulate(cfg, peers: int, tau: int, *, keep: bool = True, carry: float = 1.0) -> float:
     """The final validation loss of ``peers`` simulated peers whose syncs each take ``tau`` inner steps,
-    trained meanwhile from the local params and carried over (``keep``) or thrown away when it lands."""
+    trained meanwhile from the local params and carried over (``keep``; the share ``carry`` of them) or thrown
+    away when it lands."""
     corpus = Corpus.from_bytes(load_corpus(cfg.data), cfg.model.context_length, cfg.data.val_fraction)
     models = [build_model(cfg.model.name, cfg.model.context_length, seed=cfg.run.seed) for _ in range(peers)]
     outer = [
-        DiLoCo(m, lr=cfg.outer.lr, momentum=cfg.outer.momentum, nesterov=cfg.outer.nesterov) for m in models
+        DiLoCo(m, lr=cfg.outer.lr, momentum=cfg.outer.momentum, nesterov=cfg.outer.nesterov, carry=carry)
+        for m in models
     ]
     inner = [make_optimizer(o.model_params, cfg.inner) for o in outer]
     H, rounds = cfg.inner.num_inner_steps, cfg.outer.num_rounds
@@ -79,40 +86,75 @@ def simulate(cfg, peers: int, tau: int, *, keep: bool = True) -> float:
     return evaluate(models[0], corpus, cfg, torch.device("cpu"))["val_loss"]
 
 
+def _run(peers: int, job: tuple[int, int, str, float]) -> tuple[tuple[int, int, str, float], float]:
+    """One simulation in a worker process: (seed, τ, "carried_over" | "thrown_away" | "none", carry)."""
+    torch.set_num_threads(1)
+    seed, tau, how, carry = job
+    default = load_config(ROOT / "configs" / "default.yaml")
+    cfg = default.model_copy(update={"run": default.run.model_copy(update={"seed": seed})})
+    return job, simulate(cfg, peers, tau, keep=how != "thrown_away", carry=carry)
+
+
+def _label(how: str, carry: float) -> str:
+    return how if how != "carried_over" or carry == 1.0 else f"carried_over_{carry:g}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--taus", type=int, nargs="+", default=[1, 3])
+    ap.add_argument("--carries", type=float, nargs="+", default=[1.0, 0.5])
     ap.add_argument("--peers", type=int, default=3)
-    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4, 5])
+    ap.add_argument("--workers", type=int, default=2)
     args = ap.parse_args()
-    torch.set_num_threads(1)
     default = load_config(ROOT / "configs" / "default.yaml")
     t0 = time.monotonic()
-    by_seed = {}
+    jobs = [(seed, 0, "none", 1.0) for seed in args.seeds]
     for seed in args.seeds:
-        cfg = default.model_copy(update={"run": default.run.model_copy(update={"seed": seed})})
-        base = simulate(cfg, args.peers, 0)
-        print(f"seed {seed}: no overlap {base:.4f}", flush=True)
-        runs = []
         for tau in args.taus:
-            kept, dropped = simulate(cfg, args.peers, tau), simulate(cfg, args.peers, tau, keep=False)
-            runs.append({"tau": tau, "carried_over": kept, "thrown_away": dropped})
-            print(f"seed {seed}, tau {tau}: carried over {kept:.4f}, thrown away {dropped:.4f}", flush=True)
-        by_seed[seed] = {"no_overlap": base, "runs": runs}
+            jobs += [(seed, tau, "carried_over", c) for c in args.carries]
+            jobs.append((seed, tau, "thrown_away", 1.0))
+    done: dict[tuple[int, int, str, float], float] = {}
+    with ProcessPoolExecutor(max_workers=args.workers) as pool:
+        for job, loss in pool.map(partial(_run, args.peers), jobs):
+            done[job] = loss
+            print(f"seed {job[0]}, tau {job[1]}, {_label(job[2], job[3])}: {loss:.4f}", flush=True)
+    columns = [("carried_over", c) for c in args.carries] + [("thrown_away", 1.0)]
+    by_seed = {
+        seed: {
+            "no_overlap": done[(seed, 0, "none", 1.0)],
+            "runs": [
+                {"tau": tau} | {_label(how, c): done[(seed, tau, how, c)] for how, c in columns}
+                for tau in args.taus
+            ],
+        }
+        for seed in args.seeds
+    }
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+
+    def spread(xs: list[float]) -> float:  # the standard error of the mean over seeds
+        m = mean(xs)
+        return (sum((x - m) ** 2 for x in xs) / (len(xs) - 1) / len(xs)) ** 0.5 if len(xs) > 1 else 0.0
+
     rows_by_tau = []
     for i, tau in enumerate(args.taus):
-        rows_by_tau.append(
-            {
-                "tau": tau,
-                "carried_over_ratio": mean(
-                    [s["runs"][i]["carried_over"] / s["no_overlap"] for s in by_seed.values()]
+        row: dict = {"tau": tau}
+        for how, c in columns:
+            label = _label(how, c)
+            ratios = [s["runs"][i][label] / s["no_overlap"] for s in by_seed.values()]
+            row[f"{label}_ratio"] = mean(ratios)
+            row[f"{label}_ratio_stderr"] = spread(ratios)
+        if len(args.carries) > 1:  # seed by seed, the share against all of it: the pairs that tell them apart
+            half = _label("carried_over", args.carries[1])
+            row["paired"] = {
+                "against": "carried_over",
+                "share": half,
+                "better_in_seeds": sum(
+                    s["runs"][i][half] < s["runs"][i]["carried_over"] for s in by_seed.values()
                 ),
-                "thrown_away_ratio": mean(
-                    [s["runs"][i]["thrown_away"] / s["no_overlap"] for s in by_seed.values()]
-                ),
+                "ratio": mean([s["runs"][i][half] / s["runs"][i]["carried_over"] for s in by_seed.values()]),
             }
-        )
+        rows_by_tau.append(row)
     H = default.inner.num_inner_steps
     cfg = default
     out = {
@@ -123,6 +165,7 @@ def main() -> None:
             "inner_steps": H,
             "outer": {"lr": cfg.outer.lr, "momentum": cfg.outer.momentum, "nesterov": cfg.outer.nesterov},
             "seeds": args.seeds,
+            "carries": args.carries,
         },
         "by_seed": by_seed,
         "mean_ratios": rows_by_tau,
@@ -130,22 +173,52 @@ def main() -> None:
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "overlap.json").write_text(json.dumps(out, indent=2) + "\n")
-    seeds = ", ".join(str(s) for s in args.seeds)
-    bases = [s["no_overlap"] for s in by_seed.values()]
-    rows = [
-        f"| sync takes τ inner steps (of H = {H}) | val loss by seed ({seeds}), steps carried over "
-        "(`outer.overlap`) | mean vs no overlap | val loss by seed, steps thrown away | mean vs no overlap |",
-        "| --- | --- | --- | --- | --- |",
-        f"| 0 (no overlap) | {', '.join(f'{b:.3f}' for b in bases)} | 1.000 | — | 1.000 |",
-    ]
-    for i, r in enumerate(rows_by_tau):
-        kept = ", ".join(f"{s['runs'][i]['carried_over']:.3f}" for s in by_seed.values())
-        dropped = ", ".join(f"{s['runs'][i]['thrown_away']:.3f}" for s in by_seed.values())
-        rows.append(
-            f"| {r['tau']} | {kept} | {r['carried_over_ratio']:.3f} | {dropped} | {r['thrown_away_ratio']:.3f} |"
-        )
+    rows = table(out)
     replace_block("overlap", rows)
     print("\n".join(rows))
+
+
+def table(out: dict) -> list[str]:
+    """The overlap table of docs/benchmarks.md from bench/results/overlap.json's contents."""
+    by_seed = out["by_seed"]
+    H, carries = out["experiment"]["inner_steps"], out["experiment"]["carries"]
+    columns = [("carried_over", c) for c in carries] + [("thrown_away", 1.0)]
+    seeds = ", ".join(str(s) for s in by_seed)
+    bases = [s["no_overlap"] for s in by_seed.values()]
+    head = [f"sync takes τ inner steps (of H = {H})"]
+    for how, c in columns:
+        name = {
+            "carried_over": f"steps carried over, share {c:g} (`outer.overlap_carry`)",
+            "thrown_away": "steps thrown away",
+        }[how]
+        head += [f"val loss by seed ({seeds}), {name}", "mean vs no overlap (± s.e.)"]
+    rows = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    rows.append(
+        f"| 0 (no overlap) | {', '.join(f'{b:.3f}' for b in bases)} | 1.000 |"
+        + " — | — |" * (len(columns) - 1)
+    )
+    for i, r in enumerate(out["mean_ratios"]):
+        cells = [str(r["tau"])]
+        for how, c in columns:
+            label = _label(how, c)
+            cells.append(", ".join(f"{s['runs'][i][label]:.3f}" for s in by_seed.values()))
+            cells.append(f"{r[f'{label}_ratio']:.3f} ± {r[f'{label}_ratio_stderr']:.3f}")
+        rows.append("| " + " | ".join(cells) + " |")
+    paired = [
+        f"{r['paired']['better_in_seeds']} of {len(by_seed)} seeds at τ = {r['tau']} (mean ratio "
+        f"{r['paired']['ratio']:.3f})"
+        for r in out["mean_ratios"]
+        if "paired" in r
+    ]
+    if paired:
+        share = out["mean_ratios"][0]["paired"]["share"].removeprefix("carried_over_")
+        rows += [
+            "",
+            f"Seed by seed, keeping a share of {share} ends lower than keeping all in "
+            + ", and ".join(paired)
+            + ".",
+        ]
+    return rows
 
 
 if __name__ == "__main__":

@@ -78,10 +78,23 @@ SETTINGS: dict[str, tuple[str, list[str]]] = {
         "overlap and training on while the slower peers finish",
         ["outer.overlap=true", "inner.max_steps_while_waiting=15"],
     ),
+    "overlap_half": (
+        "overlap, keeping half the progress trained before the average lands (outer.overlap_carry=0.5)",
+        ["outer.overlap=true", "outer.overlap_carry=0.5"],
+    ),
+    "overlap_train_on_half": (
+        "overlap and training on, keeping half the progress trained before the average lands",
+        ["outer.overlap=true", "inner.max_steps_while_waiting=15", "outer.overlap_carry=0.5"],
+    ),
 }
 
 
-WITHOUT_OVERLAP = {"overlap": "default", "overlap_train_on": "train_on"}
+WITHOUT_OVERLAP = {
+    "overlap": "default",
+    "overlap_train_on": "train_on",
+    "overlap_half": "default",
+    "overlap_train_on_half": "train_on",
+}
 """Each overlapping setting and the one it differs from only by overlap (the quality table's ratio)."""
 
 TRAFFIC_SETS = [f"inner.round_seconds={4.0}", "inner.num_inner_steps=100000"]

@@ -159,11 +159,13 @@ def test_a_cnn_learns_the_digits_to_90_percent_test_accuracy_and_eval_prints_it(
     assert float(found[1]) >= 0.90 and int(found[2]) == 359, out.stdout
 
 
-def test_overlapped_rounds_train_the_next_round_while_the_last_is_averaged(tmp_path):
-    peers = start(MemorySwarm(), tmp_path, ["a", "b", "c"], outer={"overlap": True})
+@pytest.mark.parametrize("carry", [1.0, 0.5])
+def test_overlapped_rounds_train_the_next_round_while_the_last_is_averaged(tmp_path, carry):
+    peers = start(MemorySwarm(), tmp_path, ["a", "b", "c"], outer={"overlap": True, "overlap_carry": carry})
     finish(peers)
     assert_swarm_contract(tmp_path, peers, ["a", "b", "c"])
     for p in peers.values():
+        assert p.trainer.diloco.carry == carry  # outer.overlap_carry reaches the landing
         assert p.trainer.rounds_applied == [0, 1, 2, 3]
         assert [r for r, _ in p.trainer.overlapped] == [0, 1, 2, 3]  # every sync ran in the background
         assert p.trainer.overlapped[-1][1] == 0  # after the last round there is nothing to train
