@@ -63,8 +63,14 @@ SETTINGS: dict[str, tuple[str, list[str]]] = {
         ["data.eval_every=4"],
     ),
     "overlap": (
-        "overlap: the sync of round r runs while round r+1 trains (outer.overlap)",
+        "overlap: the sync of round r runs while round r+1 trains, keeping half the progress trained before "
+        "the average lands (outer.overlap; outer.overlap_carry 0.5)",
         ["outer.overlap=true"],
+    ),
+    "overlap_carry_all": (
+        "overlap, keeping all the progress trained before the average lands, as before 2026-12-04 "
+        "(outer.overlap_carry=1)",
+        ["outer.overlap=true", "outer.overlap_carry=1.0"],
     ),
     "train_on": (
         "the default, training on while the round's slower peers finish (inner.max_steps_while_waiting=15)",
@@ -78,13 +84,9 @@ SETTINGS: dict[str, tuple[str, list[str]]] = {
         "overlap and training on while the slower peers finish",
         ["outer.overlap=true", "inner.max_steps_while_waiting=15"],
     ),
-    "overlap_half": (
-        "overlap, keeping half the progress trained before the average lands (outer.overlap_carry=0.5)",
-        ["outer.overlap=true", "outer.overlap_carry=0.5"],
-    ),
-    "overlap_train_on_half": (
-        "overlap and training on, keeping half the progress trained before the average lands",
-        ["outer.overlap=true", "inner.max_steps_while_waiting=15", "outer.overlap_carry=0.5"],
+    "overlap_train_on_carry_all": (
+        "overlap and training on, keeping all the progress trained before the average lands (outer.overlap_carry=1)",
+        ["outer.overlap=true", "inner.max_steps_while_waiting=15", "outer.overlap_carry=1.0"],
     ),
 }
 
@@ -92,8 +94,8 @@ SETTINGS: dict[str, tuple[str, list[str]]] = {
 WITHOUT_OVERLAP = {
     "overlap": "default",
     "overlap_train_on": "train_on",
-    "overlap_half": "default",
-    "overlap_train_on_half": "train_on",
+    "overlap_carry_all": "default",
+    "overlap_train_on_carry_all": "train_on",
 }
 """Each overlapping setting and the one it differs from only by overlap (the quality table's ratio)."""
 

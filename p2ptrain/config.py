@@ -196,11 +196,12 @@ class OuterConfig(_Section):
     barrier, all-reduce, outer step and evaluation of round r run in the background during round r+1's inner
     phase, whose progress so far is carried over onto the new global params when they land. Verifiable
     rounds (verification.replicas > 1) never overlap: replicas must start a round from its params."""
-    overlap_carry: float = Field(default=1.0, ge=0.0, le=1.0)
+    overlap_carry: float = Field(default=0.5, ge=0.0, le=1.0)
     """With outer.overlap: the share of the inner progress made while a round's sync ran that is kept when its
-    new global params land (1: all of it; 0: none, those steps are then wasted). Those steps were taken from
-    the peer's own params, not the new global ones; keeping half of them did better than keeping all in the
-    simulated default experiment (docs/benchmarks.md, overlapping the outer sync)."""
+    new global params land (1: all of it, as releases before 2026-12-04 did; 0: none, those steps are then
+    wasted). Those steps were taken from the peer's own params, not the new global ones: in the default
+    experiment keeping half of them ended lower than keeping all of them in 6 of 6 seeds (docs/benchmarks.md,
+    overlapping the outer sync). Each peer's own: it never changes the params the swarm agrees on."""
 
 
 class AveragingConfig(_Section):
@@ -745,6 +746,9 @@ OWN_FIELDS: dict[str, tuple[str, ...]] = {
         "retries",
     ),
     "verification": ("reveal_timeout_s",),
+    # How much of its own stale progress a peer keeps when an overlapped sync lands shapes only where its next
+    # pseudo-gradient starts, never the master params the swarm agrees on.
+    "outer": ("overlap_carry",),
 }
 """Fields of the training sections that each peer may set for itself: the swarm publishes the run's values
 and a joiner starts from them, but a peer that sets others is not refused."""

@@ -184,6 +184,8 @@ def test_timeouts_and_group_sizes_are_each_peers_own(keys):
     published_ = verified(sign(cfg_of(**{"averaging__allreduce_timeout_s": 90.0}), keys[0]))
     assert published_ is not None
     check(cfg_of(**{"averaging__target_group_size": 3, "verification__reveal_timeout_s": 5.0}), published_)
+    check(cfg_of(**{"outer__overlap_carry": 1.0}), published_)  # what it keeps of its own stale steps
+    assert cfg_of(**{"outer__overlap_carry": 1.0}).training_hash() == cfg_of().training_hash()
     with pytest.raises(ConfigError, match="averaging.compression"):
         check(cfg_of(**{"averaging__compression": "int4"}), published_)
 
