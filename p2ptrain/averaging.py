@@ -219,7 +219,15 @@ class ExactAllReduceRunner(AllReduceRunner):
             self._fault(peer_id, Fault.STALLED, f"as a reducer, silent for {self.reducer_timeout:.0f}s")
             self.tensor_part_container.register_failed_reducer(peer_index)
             raise
-        except BaseException:
+        except BaseException as e:
+            # hivemind logs what ends this task at debug only: say which reducer failed us, and how.
+            log.warning(
+                "a reducer's answer stopped",
+                reducer=peer_id.to_base58(),
+                parts=self.tensor_part_container._outputs_registered_by_peer[peer_index],
+                of=self.tensor_part_container.num_parts_by_peer[peer_index],
+                error=repr(e)[:300],
+            )
             self.tensor_part_container.register_failed_reducer(peer_index)
             raise
 
@@ -245,6 +253,7 @@ class ExactAllReduceRunner(AllReduceRunner):
     async def _accumulate_parts_streaming(self, stream, sender_index: int):
         part_index = 0
         sender = self.sender_peer_ids[sender_index]
+        ended = "by the sender or a refusal"
         try:
             async for tensor_part, weight, problem in amap_in_executor(
                 lambda item: self._receive(sender.to_base58(), *item),
@@ -262,7 +271,9 @@ class ExactAllReduceRunner(AllReduceRunner):
                         sender_index, part_index, tensor_part, weight=weight
                     )
                 except Exception as e:  # BannedException: this sender was dropped, stop serving it
-                    log.debug("sender dropped", sender_index=sender_index, error=repr(e))
+                    log.warning(
+                        "a sender was dropped", sender=sender.to_base58(), part=part_index, error=repr(e)
+                    )
                     break
                 serialized = await self._serialized_average(part_index, averaged_part)
                 part_index += 1
@@ -273,8 +284,20 @@ class ExactAllReduceRunner(AllReduceRunner):
         except asyncio.TimeoutError:
             self._fault(sender, Fault.STALLED, f"as a sender, silent for {self.sender_timeout:.0f}s")
             raise
+        except asyncio.CancelledError:
+            ended = "cancelled"  # hivemind's handler ends us when the sender's stream closes under it
+            raise
         finally:
             if part_index != self.tensor_part_reducer.num_parts:
+                # Known to happen now and then on a loaded machine (the sender then fails the all-reduce with
+                # "a reducer left mid-way"): say how the stream ended, so that the cause can be found.
+                log.warning(
+                    "a sender's stream ended early",
+                    sender=sender.to_base58(),
+                    parts=part_index,
+                    of=self.tensor_part_reducer.num_parts,
+                    ended=ended,
+                )
                 await self._ban_sender(sender)
 
     def _receive(self, sender: str, index: int, msg) -> tuple[torch.Tensor | None, float, str | None]:
