@@ -289,8 +289,8 @@ class ExactAllReduceRunner(AllReduceRunner):
             raise
         finally:
             if part_index != self.tensor_part_reducer.num_parts:
-                # Known to happen now and then on a loaded machine (the sender then fails the all-reduce with
-                # "a reducer left mid-way"): say how the stream ended, so that the cause can be found.
+                # Besides a refused sender, seen now and then with nobody refused (the sender then fails the
+                # all-reduce with "a reducer left mid-way"): say how the stream ended, to find out why.
                 log.warning(
                     "a sender's stream ended early",
                     sender=sender.to_base58(),
