@@ -151,6 +151,8 @@ class ExactAllReduceRunner(AllReduceRunner):
         self.bytes_sent = 0
         self.bytes_received = 0
         self.misbehaved: set[PeerID] = set()
+        self._complete_senders: set[PeerID] = set()
+        """Senders all of whose parts went into our slice (and got our answers)."""
 
     async def _serialized_average(self, part_index: int, averaged_part: torch.Tensor):
         """Serialize our averaged part once; every groupmate (and we) get exactly these bytes."""
@@ -198,18 +200,29 @@ class ExactAllReduceRunner(AllReduceRunner):
                 return _decoded(msg.tensor_part, _nth(expected, index))
 
             part_index = 0
-            async for averaged in amap_in_executor(
+            # We close the stream once every answer is in, never the reducer (whose handler waits for that,
+            # ``SwarmAverager.rpc_aggregate_part``): p2pd resets a stream that its handler closes while the
+            # caller still reads, and the answer in flight was lost ("a reducer left mid-way", part short).
+            answers = amap_in_executor(
                 _deserialize,
                 _numbered(aiter_with_timeout(stream, self.reducer_timeout)),
                 max_prefetch=self.tensor_part_container.prefetch,
-            ):
-                # A reducer's answer is checked like any input: it becomes our params.
-                problem = part_problem(averaged, _nth(expected, part_index))
-                if problem is not None:
-                    self._fault(peer_id, Fault.MISBEHAVED, f"as a reducer, its part {part_index}: {problem}")
-                    raise AllreduceException(f"{peer_id} sent a bad averaged part {part_index}: {problem}")
-                self.tensor_part_container.register_processed_part(peer_index, part_index, averaged)
-                part_index += 1
+            )
+            async with contextlib.aclosing(answers):
+                async for averaged in answers:
+                    # A reducer's answer is checked like any input: it becomes our params.
+                    problem = part_problem(averaged, _nth(expected, part_index))
+                    if problem is not None:
+                        self._fault(
+                            peer_id, Fault.MISBEHAVED, f"as a reducer, its part {part_index}: {problem}"
+                        )
+                        raise AllreduceException(
+                            f"{peer_id} sent a bad averaged part {part_index}: {problem}"
+                        )
+                    self.tensor_part_container.register_processed_part(peer_index, part_index, averaged)
+                    part_index += 1
+                    if part_index == len(expected):
+                        break
             if part_index != self.tensor_part_container.num_parts_by_peer[peer_index]:
                 raise AllreduceException(
                     f"peer {peer_id} sent {part_index} parts, expected "
@@ -230,6 +243,13 @@ class ExactAllReduceRunner(AllReduceRunner):
             )
             self.tensor_part_container.register_failed_reducer(peer_index)
             raise
+
+    async def _ban_sender(self, peer_id: PeerID) -> None:
+        """hivemind drops a sender whose stream ends in any way but its end-of-stream message; one whose every
+        part is in has done its share: it closes the stream first now, once it has our last answer."""
+        if peer_id in self._complete_senders:
+            return
+        await super()._ban_sender(peer_id)
 
     def _fault(self, peer_id: PeerID, fault: Fault, reason: str) -> None:
         if fault == Fault.MISBEHAVED:
@@ -277,6 +297,8 @@ class ExactAllReduceRunner(AllReduceRunner):
                     break
                 serialized = await self._serialized_average(part_index, averaged_part)
                 part_index += 1
+                if part_index == self.tensor_part_reducer.num_parts:
+                    self._complete_senders.add(sender)
                 self.bytes_sent += len(serialized.buffer)
                 yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=serialized)
                 if self._on_part_served is not None:
@@ -725,6 +747,10 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
         await self._admit(remote, "to average its part")
         async for message in super().rpc_aggregate_part(stream, context):
             yield message
+        # Our last answer may still be on its way: were we to end now, p2pd would reset the stream under it.
+        # The caller closes the stream once it has every answer, which ends this handler (cancelled); a caller
+        # of a release before 2026-12-04 waits for us to close instead, so we do after a while.
+        await asyncio.sleep(self.request_timeout)
 
     async def rpc_download_state(
         self, request: averaging_pb2.DownloadRequest, context: P2PContext
