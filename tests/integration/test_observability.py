@@ -99,7 +99,7 @@ def test_metrics_status_and_logs_of_a_two_peer_swarm(tmp_path, spawn):
         name="dht",
     )
     maddr = node.wait_for_maddr()
-    rounds = 12
+    rounds = 40  # long enough that `status` (a process that joins the DHT: seconds) reads while they train
     long = ["--set", f"outer.num_rounds={rounds}", "--set", "inner.num_inner_steps=40"]
     long += ["--set", "metrics.host=127.0.0.1", "--set", "averaging.target_group_size=2"]
     peers = [
