@@ -144,8 +144,11 @@ def main() -> None:
             ratios = [s["runs"][i][label] / s["no_overlap"] for s in by_seed.values()]
             row[f"{label}_ratio"] = mean(ratios)
             row[f"{label}_ratio_stderr"] = spread(ratios)
-        if len(args.carries) > 1:  # seed by seed, the share against all of it: the pairs that tell them apart
-            half = _label("carried_over", args.carries[1])
+        shares = [c for c in args.carries if c != 1.0]
+        if (
+            shares and 1.0 in args.carries
+        ):  # seed by seed, a share against all: the pairs that tell them apart
+            half = _label("carried_over", shares[0])
             row["paired"] = {
                 "against": "carried_over",
                 "share": half,

@@ -201,7 +201,7 @@ class ExactAllReduceRunner(AllReduceRunner):
 
             part_index = 0
             # We close the stream once every answer is in, never the reducer (whose handler waits for that,
-            # ``SwarmAverager.rpc_aggregate_part``): p2pd resets a stream that its handler closes while the
+            # ``ExactAverager.rpc_aggregate_part``): p2pd resets a stream that its handler closes while the
             # caller still reads, and the answer in flight was lost ("a reducer left mid-way", part short).
             answers = amap_in_executor(
                 _deserialize,
@@ -291,9 +291,7 @@ class ExactAllReduceRunner(AllReduceRunner):
                         sender_index, part_index, tensor_part, weight=weight
                     )
                 except Exception as e:  # BannedException: this sender was dropped, stop serving it
-                    log.warning(
-                        "a sender was dropped", sender=sender.to_base58(), part=part_index, error=repr(e)
-                    )
+                    ended = f"dropped: {e!r}"
                     break
                 serialized = await self._serialized_average(part_index, averaged_part)
                 part_index += 1
@@ -311,8 +309,8 @@ class ExactAllReduceRunner(AllReduceRunner):
             raise
         finally:
             if part_index != self.tensor_part_reducer.num_parts:
-                # Besides a refused sender, seen now and then with nobody refused (the sender then fails the
-                # all-reduce with "a reducer left mid-way"): say how the stream ended, to find out why.
+                # hivemind says nothing above debug here: a sender we refused, dropped, or whose stream closed
+                # under us (it left, or reset) gets no more answers from us, and fails its all-reduce.
                 log.warning(
                     "a sender's stream ended early",
                     sender=sender.to_base58(),
