@@ -15,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from p2ptrain.config import InnerConfig
-from p2ptrain.models import flops_per_sample
+from p2ptrain.models import GLOBAL_RNG_LOCK, flops_per_sample
 
 
 def pick_device(kind: str) -> torch.device:
@@ -114,7 +114,9 @@ def benchmark_device(
     optimizer = torch.optim.AdamW(params, lr=cfg.lr)
     device = next(probe.parameters()).device
     x, y = batch[0].to(device), batch[1].to(device)
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # dropout draws from it
+    # Dropout draws from the global generator, and fork_rng sets its state back at the end: under the lock, so
+    # that neither lands in the middle of another in-process peer's model build.
+    with GLOBAL_RNG_LOCK, torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         started = 0.0
         for i in range(steps + 1):
             if i == 1:  # the first step pays for allocations and kernels' warm-up

@@ -301,8 +301,11 @@ def flops_per_sample(model: nn.Module) -> float:
 
 
 # Initialization draws from torch's global generator: two threads building models at once (peers of an
-# in-process test swarm) would interleave their draws and get different "deterministic" weights.
-_BUILD_LOCK = threading.Lock()
+# in-process test swarm) would interleave their draws and get different "deterministic" weights. Whoever else
+# touches that generator while another thread may be building takes this lock too: the device benchmark's
+# fork_rng, which sets the generator's state back as it ends (that reset, landing in the middle of another
+# peer's build, once gave that peer other initial weights and a needless rebase at round 0).
+GLOBAL_RNG_LOCK = threading.Lock()
 
 
 def build_model(
@@ -324,7 +327,7 @@ def build_model(
     if name not in ZOO:
         raise ValueError(f"unknown model {name!r}; the zoo has {', '.join(ZOO)}")
     shape = ZOO[name]
-    with _BUILD_LOCK, torch.random.fork_rng(devices=[]):
+    with GLOBAL_RNG_LOCK, torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         if isinstance(shape, CNNShape):
             if num_classes is None:

@@ -211,6 +211,42 @@ def test_the_device_benchmark_leaves_the_model_and_the_random_numbers_alone():
     assert samples_per_s > 0 and flops == pytest.approx(6 * params * samples_per_s * 16)
 
 
+def test_models_built_while_another_thread_benchmarks_its_device_get_the_same_weights():
+    """Peers of an in-process swarm build their models while another peer times its device: the benchmark's
+    fork_rng sets torch's global generator back as it ends, and once did so in the middle of a build (that
+    peer started from other weights and rebased at round 0). Before the fix 6 of 1000 builds here differed."""
+    import threading
+
+    from p2ptrain.config import InnerConfig
+    from p2ptrain.inner import benchmark_device
+    from p2ptrain.models import build_model
+
+    reference = build_model("gpt-nano", 16, seed=0)
+    tokens = torch.randint(256, (4, 17), generator=torch.Generator().manual_seed(0))
+    stop = threading.Event()
+
+    def benchmark_until_stopped():
+        while not stop.is_set():
+            benchmark_device(
+                reference, InnerConfig(batch_size=4), batch=(tokens[:, :-1], tokens[:, 1:]), steps=1
+            )
+
+    timer = threading.Thread(target=benchmark_until_stopped)
+    timer.start()
+    try:
+        differing = sum(
+            not all(
+                torch.equal(a, b)
+                for a, b in zip(reference.parameters(), build_model("gpt-nano", 16, seed=0).parameters())
+            )
+            for _ in range(500)
+        )
+    finally:
+        stop.set()
+        timer.join()
+    assert differing == 0
+
+
 def test_replicas_do_what_their_slowest_benchmark_fits_in_a_round_by_time():
     from p2ptrain.config import InnerConfig
     from p2ptrain.inner import replica_steps
