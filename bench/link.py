@@ -7,9 +7,9 @@ training when the link is a real one's.
    tensor of that size (``averaging.SwarmAverager``, no compression: N bytes each way), and torch gloo's
    all-reduce of it (what a datacenter user's DDP would run). ``bench/link_worker.py`` is each side.
 2. Utilization: the demo's swarm (3 peers of ``configs/default.yaml``) with each peer in its namespace on
-   the 100 Mbit/s link: the default, evaluating in the training thread, ``outer.overlap`` and training on
-   (``bench.utilization``'s settings ``default``, ``eval_inline``, ``overlap``, ``train_on``), read as
-   ``bench.utilization`` reads it.
+   the 100 Mbit/s link: the default (``outer.overlap``), rounds in turn, in turn evaluating in the training
+   thread, and in turn training on (``bench.utilization``'s settings ``default``, ``in_turn``,
+   ``eval_inline``, ``train_on``), read as ``bench.utilization`` reads it.
 
     python -m bench.link [--bytes 16000000] [--repeats 3] [--rates 100 20] [--rounds 16]
 
@@ -30,7 +30,7 @@ from pathlib import Path
 
 from bench.netns import ShapedNet, available
 from bench.report import RESULTS, replace_block
-from bench.utilization import SETTINGS
+from bench.utilization import IN_TURN, SETTINGS
 from bench.utilization import run as run_swarm_bench
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -106,12 +106,12 @@ def main() -> None:
     utilization = {}
     if not args.skip_utilization:
         rate = args.rates[0]
-        for name in ("default", "eval_inline", "overlap", "train_on"):
+        for name in ("default", "in_turn", "eval_inline", "train_on"):
             sets = SETTINGS[name][1]
             print(f"utilization on {rate:g} Mbit/s: {name}", flush=True)
             with ShapedNet(3, rate) as net:
                 workdir = ROOT / "runs" / "bench-link" / name
-                overlapped = "outer.overlap=true" in sets
+                overlapped = IN_TURN not in sets
                 r = run_swarm_bench(
                     f"link-{name}", sets, 3, args.rounds, workdir, overlapped=overlapped, net=net
                 )

@@ -47,59 +47,71 @@ from p2ptrain.localswarm import LOOPBACK, run_swarm
 ROOT = Path(__file__).resolve().parent.parent
 PHASES = ("inner", "barrier", "verify", "sync", "eval")
 
+IN_TURN = "outer.overlap=false"
+"""Rounds in turn: a round's barrier, all-reduce and outer step before the next round trains (the default
+before 2026-12-04)."""
+
 SETTINGS: dict[str, tuple[str, list[str]]] = {
-    "every_peer_evaluates": ("every peer evaluates every round (data.eval_by=all)", ["data.eval_by=all"]),
-    "default": ("the default: one peer of the group evaluates, in turn, in the background", []),
+    "default": (
+        "the default: the sync of round r runs while round r+1 trains (outer.overlap), keeping half the progress "
+        "trained before the average lands (outer.overlap_carry 0.5); one peer evaluates, in turn",
+        [],
+    ),
+    "in_turn": (
+        "rounds in turn, as the default before 2026-12-04 (outer.overlap=false): one peer evaluates, in turn, "
+        "in the background",
+        [IN_TURN],
+    ),
+    "every_peer_evaluates": (
+        "in turn, every peer evaluating every round (data.eval_by=all)",
+        [IN_TURN, "data.eval_by=all"],
+    ),
     "tensor_by_tensor": (
-        "the default, sending the pseudo-gradient tensor by tensor as before 2026-12-03 (averaging.packed=false)",
-        ["averaging.packed=false"],
+        "in turn, sending the pseudo-gradient tensor by tensor as before 2026-12-03 (averaging.packed=false)",
+        [IN_TURN, "averaging.packed=false"],
     ),
     "eval_inline": (
-        "one peer evaluates, in turn, before it trains the next round (device.evaluate_in_background=false)",
-        ["device.evaluate_in_background=false"],
+        "in turn, one peer evaluating, in turn, before it trains the next round "
+        "(device.evaluate_in_background=false)",
+        [IN_TURN, "device.evaluate_in_background=false"],
     ),
     "eval_every_4": (
-        "the default, evaluating after every 4th round only (data.eval_every=4)",
-        ["data.eval_every=4"],
-    ),
-    "overlap": (
-        "overlap: the sync of round r runs while round r+1 trains, keeping half the progress trained before "
-        "the average lands (outer.overlap; outer.overlap_carry 0.5)",
-        ["outer.overlap=true"],
+        "in turn, evaluating after every 4th round only (data.eval_every=4)",
+        [IN_TURN, "data.eval_every=4"],
     ),
     "overlap_carry_all": (
-        "overlap, keeping all the progress trained before the average lands, as before 2026-12-04 "
+        "the default, keeping all the progress trained before the average lands, as before 2026-12-04 "
         "(outer.overlap_carry=1)",
-        ["outer.overlap=true", "outer.overlap_carry=1.0"],
+        ["outer.overlap_carry=1.0"],
     ),
     "train_on": (
-        "the default, training on while the round's slower peers finish (inner.max_steps_while_waiting=15)",
-        ["inner.max_steps_while_waiting=15"],
+        "in turn, training on while the round's slower peers finish (inner.max_steps_while_waiting=15)",
+        [IN_TURN, "inner.max_steps_while_waiting=15"],
     ),
     "train_on_eval_inline": (
-        "training on, and evaluating before training the next round (device.evaluate_in_background=false)",
-        ["inner.max_steps_while_waiting=15", "device.evaluate_in_background=false"],
+        "in turn, training on, and evaluating before training the next round (device.evaluate_in_background=false)",
+        [IN_TURN, "inner.max_steps_while_waiting=15", "device.evaluate_in_background=false"],
     ),
     "overlap_train_on": (
-        "overlap and training on while the slower peers finish",
-        ["outer.overlap=true", "inner.max_steps_while_waiting=15"],
+        "the default, training on while the slower peers finish (inner.max_steps_while_waiting=15)",
+        ["inner.max_steps_while_waiting=15"],
     ),
     "overlap_train_on_carry_all": (
-        "overlap and training on, keeping all the progress trained before the average lands (outer.overlap_carry=1)",
-        ["outer.overlap=true", "inner.max_steps_while_waiting=15", "outer.overlap_carry=1.0"],
+        "the default, training on, keeping all the progress trained before the average lands (outer.overlap_carry=1)",
+        ["inner.max_steps_while_waiting=15", "outer.overlap_carry=1.0"],
     ),
 }
 
 
 WITHOUT_OVERLAP = {
-    "overlap": "default",
+    "default": "in_turn",
     "overlap_train_on": "train_on",
-    "overlap_carry_all": "default",
+    "overlap_carry_all": "in_turn",
     "overlap_train_on_carry_all": "train_on",
 }
 """Each overlapping setting and the one it differs from only by overlap (the quality table's ratio)."""
 
-TRAFFIC_SETS = [f"inner.round_seconds={4.0}", "inner.num_inner_steps=100000"]
+TRAFFIC_SETS = [IN_TURN, f"inner.round_seconds={4.0}", "inner.num_inner_steps=100000"]
 """The traffic-against-size runs: 4 s rounds by time."""
 
 
@@ -405,7 +417,7 @@ def main() -> None:
     by_seed: dict[str, dict[str, dict]] = {}
     for name in args.only:
         label, sets = SETTINGS[name]
-        overlapped = "outer.overlap=true" in sets
+        overlapped = IN_TURN not in sets
         for seed in args.seeds:
             print(f"{name}, seed {seed}: {label}", flush=True)
             r = run(

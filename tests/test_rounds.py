@@ -228,7 +228,13 @@ def test_a_peer_evaluates_a_copy_of_the_rounds_params_while_it_trains_the_next_r
         return real_evaluate(model, corpus, cfg, device)
 
     monkeypatch.setattr(trainer, "evaluate", evaluate)
-    peers.update(start(MemorySwarm(), tmp_path, ["a", "b"], device={"evaluate_in_background": background}))
+    # Rounds in turn: with outer.overlap every evaluation runs beside training already (in the sync's thread).
+    in_turn = {"overlap": False}
+    peers.update(
+        start(
+            MemorySwarm(), tmp_path, ["a", "b"], device={"evaluate_in_background": background}, outer=in_turn
+        )
+    )
     finish(peers)
     assert_swarm_contract(tmp_path, peers, ["a", "b"])
     # One evaluation after each round but the last (which both peers evaluate in their own thread).
@@ -541,12 +547,13 @@ def test_a_slow_peer_that_finds_the_swarm_finished_does_not_write_a_final_model(
 
 def test_when_the_only_peer_ahead_crashes_the_others_go_on_after_waiting(tmp_path):
     """One crash must not end the swarm: the only holder of round 2 dies before anyone loads it; the others
-    wait swarm.catch_up_timeout_s for it to come back, then go on from round 1 (its progress is lost)."""
+    wait swarm.catch_up_timeout_s for it to come back, then go on from round 1 (its progress is lost).
+    Rounds in turn: overlapped, c's round 2 would start (and crash) before its round 1 sync had ended."""
     injector = Injector()
     injector.fail_allreduce(round=1, peer="a", attempts=2)  # both attempts of their first try at round 1
     injector.fail_allreduce(round=1, peer="b", attempts=2)  # c alone gets round 1's average, and steps
     injector.fail_at("c", Point.INNER, round=2)
-    peers = start(MemorySwarm(injector), tmp_path, ["a", "b", "c"])
+    peers = start(MemorySwarm(injector), tmp_path, ["a", "b", "c"], outer={"overlap": False})
     finish(peers)
     assert peers["c"].crashed
     assert_swarm_contract(tmp_path, peers, ["a", "b"])

@@ -88,8 +88,24 @@ def test_the_machine_reads_other_processes_cpu_without_our_own():
     assert reading.on_battery in (None, True, False)
 
 
-def test_a_paused_peer_costs_the_others_no_wait_and_rejoins_on_its_own(tmp_path):
+def test_a_paused_peer_costs_the_others_no_wait_and_rejoins_on_its_own(tmp_path, monkeypatch):
     swarm = MemorySwarm()
+    paused: list[int] = []  # the round c paused in, once it has
+    peers: dict[str, PeerThread] = {}
+
+    def hold_the_others_until_c_is_back(thread: str, _steps: int) -> None:
+        # Two rounds past c's pause, a and b take no step until c has caught up: otherwise they may finish the
+        # run before c's schedule notices that the machine is free (they did, with rounds overlapped).
+        name = thread.removeprefix("trainer-")
+        if name == "c" or not paused or peers[name].trainer.round < paused[0] + 2:
+            return
+        deadline = time.monotonic() + 60
+        while not peers["c"].trainer.loads:
+            if time.monotonic() > deadline:
+                raise AssertionError("c did not come back within 60 s of the game's end")
+            time.sleep(0.01)
+
+    slowed_steps(monkeypatch, {}, after=hold_the_others_until_c_is_back)
     machine = FakeMachine()
     sections = {
         "outer": {"num_rounds": 8},
@@ -108,11 +124,12 @@ def test_a_paused_peer_costs_the_others_no_wait_and_rejoins_on_its_own(tmp_path)
     def trainer(cfg, **kwargs):
         return Trainer(cfg, machine=machine if cfg is configs["c"] else None, **kwargs)
 
-    peers = {name: PeerThread(swarm, name, cfg, trainer_cls=trainer) for name, cfg in configs.items()}
+    peers.update({name: PeerThread(swarm, name, cfg, trainer_cls=trainer) for name, cfg in configs.items()})
     peers["c"].wait_until(lambda t: t.round >= 2)
     machine.other_cpu = 0.9  # the volunteer starts a game
     peers["c"].wait_until(lambda t: bool(t.pauses))
     paused_in = peers["c"].trainer.pauses[0][0]
+    paused.append(paused_in)
     # The others go on without it: two rounds while it is paused (its machine stays busy until we say).
     peers["a"].wait_until(lambda t: t.round >= paused_in + 2)
     assert swarm.read()[peers["c"].trainer.peer_id].state == PeerState.PAUSED
