@@ -53,7 +53,7 @@ before 2026-12-04)."""
 
 SETTINGS: dict[str, tuple[str, list[str]]] = {
     "default": (
-        "the default: the sync of round r runs while round r+1 trains (outer.overlap), keeping half the progress "
+        "the default: round r's all-reduce runs while round r+1 trains (outer.overlap), keeping half the progress "
         "trained before the average lands (outer.overlap_carry 0.5); one peer evaluates, in turn",
         [],
     ),

@@ -176,9 +176,8 @@ class InnerConfig(_Section):
     (0: it waits). Its pseudo-gradient then holds more progress but weighs as a full round's
     (inner.num_inner_steps x inner.batch_size samples), as every other finished peer's. A peer whose steps
     take over a quarter of averaging.matchmaking_time_s does not train on (it would join its group late).
-    With outer.overlap a peer trains on only if the previous round's sync has landed by its H-th step; the
-    next round then starts once the round's last peer is done (or after k steps), so only the all-reduce
-    runs beside it. Not for verifiable rounds (verification.replicas > 1) nor with inner.round_seconds."""
+    With outer.overlap a peer trains on only if the previous round's sync has landed by its H-th step.
+    Not for verifiable rounds (verification.replicas > 1) nor with inner.round_seconds."""
 
 
 class OuterConfig(_Section):
@@ -192,13 +191,14 @@ class OuterConfig(_Section):
     num_rounds: int = Field(default=16, ge=1)
     """Outer rounds to train. Every peer stops after this round and writes the final model."""
     overlap: bool = True
-    """Average a round's pseudo-gradient while the next round trains (a one-step-delayed outer step): the
-    barrier, all-reduce, outer step and evaluation of round r run in the background during round r+1's inner
-    phase, whose progress so far is carried over onto the new global params when they land (a share of it:
-    outer.overlap_carry). On by default since 2026-12-04 (utilization 0.93 against 0.83 in turn, val loss
-    within the seeds' noise: docs/benchmarks.md); a swarm of an older release, which leaves the field out,
-    runs in turn (false). Verifiable rounds (verification.replicas > 1) never overlap: replicas must start a
-    round from its params."""
+    """Average a round's pseudo-gradient while the next round trains (a one-step-delayed outer step): once
+    the round's barrier is passed (every peer of it is done), its all-reduce, outer step and evaluation run
+    in the background during the next round's inner phase, whose progress so far is carried over onto the
+    new global params when they land (a share of it: outer.overlap_carry). The wait for the round's slower
+    peers is not overlapped (steps taken then would all start from stale params): inner.max_steps_while_waiting
+    or inner.round_seconds put it to use. On by default since 2026-12-04 (docs/benchmarks.md, utilization);
+    a swarm of an older release, which leaves the field out, runs in turn (false). Verifiable rounds
+    (verification.replicas > 1) never overlap: replicas must start a round from its params."""
     overlap_carry: float = Field(default=0.5, ge=0.0, le=1.0)
     """With outer.overlap: the share of the inner progress made while a round's sync ran that is kept when its
     new global params land (1: all of it, as releases before 2026-12-04 did; 0: none, those steps are then

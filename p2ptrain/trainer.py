@@ -140,8 +140,8 @@ class RoundStats:
 
 
 class _Background:
-    """A round's sync in a daemon thread (``outer.overlap``): first the barrier, all-reduce and outer step
-    (:meth:`synced` once they are over: the result can land), then the round's evaluation and log line, which
+    """A round's sync in a daemon thread (``outer.overlap``): first the all-reduce and outer step (:meth:`synced`
+    once they are over: the result can land), then the round's evaluation and log line, which
     need not hold up the landing. :meth:`result` and :meth:`finish` hand on what each part raised. A round
     evaluated in the background (``device.evaluate_in_background``) runs as one whose sync is already done:
     its ``sync`` returns the report at once."""
@@ -324,19 +324,22 @@ class Trainer:
                     continue
                 if stats.paused:  # cut short by the schedule: the round goes on without us
                     continue
-                if self.overlapping:  # the round's sync runs while the next round trains
-                    self.board.update(state=PeerState.AVERAGING)
-                    self.diloco.detach()
-                    self._finish_evaluation()
-                    self._sync = _Background(
-                        self.sync_round, self.log_round, stats, round=self.round, steps=self.inner_steps_total
-                    )
-                    continue
                 if self.verifying:
                     self.seal()
                 with stats.timing("barrier"):
                     group = self.barrier()
                 if group is None:  # the swarm moved on while we trained (our work is stale), or a stop
+                    continue
+                if self.overlapping:  # the round's all-reduce and outer step run while the next round trains
+                    self.diloco.detach()
+                    self._finish_evaluation()
+                    self._sync = _Background(
+                        functools.partial(self.outer_sync, group),
+                        self.log_round,
+                        stats,
+                        round=self.round,
+                        steps=self.inner_steps_total,
+                    )
                     continue
                 if self.verifying:
                     with stats.timing("verify"):
@@ -366,16 +369,6 @@ class Trainer:
     def training_round(self) -> int:
         """The round the model trains: ours, or, while ours is averaged in the background, the next one."""
         return self._sync.round + 1 if self._sync is not None else self.round
-
-    def sync_round(self, stats: RoundStats) -> OuterStepReport | None:
-        """A round's barrier, all-reduce and outer step, in the background (``outer.overlap``): they work on the
-        round's frozen pseudo-gradient and the master params, while the model trains on. Its evaluation and log
-        line follow in the same thread (:class:`_Background`), after the result could land."""
-        with stats.timing("barrier"):
-            group = self.barrier()
-        if group is None:  # the swarm moved on (our work is stale: dropped when this lands), or a stop
-            return None
-        return self.outer_sync(group, stats)
 
     def land(self) -> bool:
         """Wait for the outer step of the round's sync in flight, if any, and take its result into the model,

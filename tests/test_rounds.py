@@ -160,17 +160,47 @@ def test_a_cnn_learns_the_digits_to_90_percent_test_accuracy_and_eval_prints_it(
 
 
 @pytest.mark.parametrize("carry", [1.0, 0.5])
-def test_overlapped_rounds_train_the_next_round_while_the_last_is_averaged(tmp_path, carry):
-    peers = start(MemorySwarm(), tmp_path, ["a", "b", "c"], outer={"overlap": True, "overlap_carry": carry})
+def test_overlapped_rounds_train_the_next_round_while_the_last_is_averaged(tmp_path, monkeypatch, carry):
+    """Overlap hides the all-reduce, not the wait for the round's slowest peer: a peer trains the next round
+    only once every peer of the round is done with it (its steps from stale params are then only those the
+    all-reduce takes), and trains it while the all-reduce runs."""
+    from tests import memswarm
+
+    swarm = MemorySwarm()
+    peers: dict[str, PeerThread] = {}
+    early: list[tuple[str, int, str]] = []  # who trained the next round while whom was still in the last one
+
+    def next_round_only_after_everyone(thread: str, _steps: int) -> None:
+        sync = peers[thread.removeprefix("trainer-")].trainer._sync
+        if sync is not None:  # training the next round while this one's all-reduce runs
+            early.extend(
+                (thread, sync.round, swarm.name_of(pid))
+                for pid, r in swarm.read().items()
+                if r.round == sync.round and r.state == PeerState.TRAINING
+            )
+
+    steps = slowed_steps(monkeypatch, {"trainer-c": 0.01}, after=next_round_only_after_everyone)
+    real_average = memswarm.MemoryAverager.average
+
+    def average(self, tensors, *, weight, round):
+        # The all-reduce lasts until its peer has trained a step of the next round (none after the last round).
+        name = f"trainer-{self._peer.name}"
+        before, deadline = steps.get(name, 0), time.monotonic() + 30
+        while round + 1 < 4 and steps.get(name, 0) == before and time.monotonic() < deadline:
+            time.sleep(0.005)
+        return real_average(self, tensors, weight=weight, round=round)
+
+    monkeypatch.setattr(memswarm.MemoryAverager, "average", average)
+    peers.update(start(swarm, tmp_path, ["a", "b", "c"], outer={"overlap": True, "overlap_carry": carry}))
     finish(peers)
     assert_swarm_contract(tmp_path, peers, ["a", "b", "c"])
+    assert not early, early
     for p in peers.values():
         assert p.trainer.diloco.carry == carry  # outer.overlap_carry reaches the landing
         assert p.trainer.rounds_applied == [0, 1, 2, 3]
         assert [r for r, _ in p.trainer.overlapped] == [0, 1, 2, 3]  # every sync ran in the background
+        assert all(stale > 0 for _, stale in p.trainer.overlapped[:-1]), p.trainer.overlapped
         assert p.trainer.overlapped[-1][1] == 0  # after the last round there is nothing to train
-    # The first peer at a barrier waits there for the others: meanwhile it trains the next round.
-    assert any(steps > 0 for p in peers.values() for _, steps in p.trainer.overlapped[:-1])
 
 
 def test_matchmaking_expects_the_barriers_group_and_one_peer_of_it_evaluates_each_round(tmp_path):
