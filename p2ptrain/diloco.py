@@ -124,9 +124,10 @@ class DiLoCo:
     Overlap (``outer.overlap``): :meth:`detach` freezes the round's pseudo-gradient, and the round's sync
     (another thread) works on that and on the master copy only, while the model trains the next round.
     Meanwhile every call that would overwrite the model only says what should become of it: carry the
-    inner progress made since over onto the new master params (after an outer step, a void round, a
-    rebase), or drop it (a failed or stale round, a state loaded instead). :meth:`land`, between two inner
-    steps, does it.
+    inner progress made since over onto the new master params (after an outer step, a void round), or drop
+    it (a failed round that may not step alone). :meth:`land`, between two inner steps, does it. (The
+    trainer's barrier, and with it a rebase or a stale round, comes before :meth:`detach`; :meth:`rebase`
+    and :meth:`reset_model` still honour a detached round.)
     """
 
     def __init__(

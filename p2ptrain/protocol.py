@@ -358,12 +358,12 @@ def roster_ids(me: Me, others: Records) -> list[str]:
 
 def next_roster(me: Me, others: Records) -> tuple[int, int]:
     """Our rank and world size in the round after ours, which we train while ours is averaged
-    (``outer.overlap``): the peers already in it, and every peer that will be: those in our round, still
-    training it or averaging it (as we do, training the next one meanwhile), and those still averaging the
-    round before (they train our round meanwhile, then the next). A peer still training our round counts:
-    when it starts the next one it counts us (we are averaging ours, which cannot end without it), and a
-    roster that left it out trained the windows it trains (3 real peers, before: a world of 1 or 2 in 30 of
-    48 inner phases)."""
+    (``outer.overlap``): the peers already in it, and every peer that will be: those in our round, averaging
+    it (as we do, training the next one meanwhile) or still training it, and those still averaging the round
+    before. Our barrier has passed, so a peer still training our round was left out of its group (a barrier
+    timeout) or is behind: it still counts, since it comes into the next round as it catches up, and a
+    roster that left such peers out trained the windows they train (3 real peers, when the barrier ran
+    beside training: a world of 1 or 2 in 30 of 48 inner phases)."""
     ordered = sorted(_in_or_coming(me, others) | _live_in(others, me.round + 1))
     return ordered.index(me.peer_id), len(ordered)
 

@@ -18,7 +18,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from pathlib import Path
 
@@ -116,7 +116,8 @@ class RoundStats:
     paused: bool = False
     """The schedule paused us before the inner phase ended: its steps are dropped."""
     dropped: bool = False
-    """The previous round's sync (overlap) failed or went stale while we trained: these steps are dropped."""
+    """The previous round's sync (overlap) failed while we trained, and we may not step alone (the swarm went
+    on without us): these steps are dropped."""
     shard: str = ""
     """The data shard the inner phase trained, ``rank/world`` (the outer step's log line says it)."""
     weight: float | None = None
@@ -164,7 +165,10 @@ class _Background:
         self._thread = threading.Thread(
             target=self._run, args=(sync, after, stats), name=f"sync-{round}", daemon=True
         )
+
+    def start(self) -> _Background:
         self._thread.start()
+        return self
 
     def _run(self, sync, after, stats: RoundStats) -> None:
         try:
@@ -320,19 +324,20 @@ class Trainer:
                 stats = self.inner_phase()  # with a sync in flight, takes its result in when it lands
                 if self.stop.is_set():
                     break
-                if not self.land() or stats.dropped:  # the previous round's sync failed or went stale
+                if not self.land() or stats.dropped:  # the previous round's sync failed: we catch up
                     continue
                 if stats.paused:  # cut short by the schedule: the round goes on without us
                     continue
                 if self.verifying:
                     self.seal()
+                if self.overlapping:  # the last round's evaluation copies the master params: before a rebase
+                    self._finish_evaluation()
                 with stats.timing("barrier"):
                     group = self.barrier()
                 if group is None:  # the swarm moved on while we trained (our work is stale), or a stop
                     continue
                 if self.overlapping:  # the round's all-reduce and outer step run while the next round trains
                     self.diloco.detach()
-                    self._finish_evaluation()
                     self._sync = _Background(
                         functools.partial(self.outer_sync, group),
                         self.log_round,
@@ -340,6 +345,7 @@ class Trainer:
                         round=self.round,
                         steps=self.inner_steps_total,
                     )
+                    self._sync.start()  # once it is ours to see: its waits show no spinner
                     continue
                 if self.verifying:
                     with stats.timing("verify"):
@@ -373,7 +379,7 @@ class Trainer:
     def land(self) -> bool:
         """Wait for the outer step of the round's sync in flight, if any, and take its result into the model,
         in this thread: the inner progress made since carries over onto the new params, or is dropped if the
-        sync failed or went stale (returns False; the loop then catches up). Then what ends a round:
+        sync failed and we may not step alone (returns False; the loop then catches up). Then what ends a round:
         checkpoint, memory. The round's evaluation may still be running (:meth:`_finish_evaluation`)."""
         if self._sync is None:
             return True
@@ -694,7 +700,8 @@ class Trainer:
             roster = self._roster_claim()
             claims = dict(self._no_claims(), shard=self._shard, replicas=list(self._replicas), roster=roster)
         elif self._sync is not None:  # our round is averaged meanwhile: we train the next one
-            rank, world = protocol.next_roster(self.me(), self._visible())
+            # Of the round whose sync is in flight: its outer step may have moved self.round on already.
+            rank, world = protocol.next_roster(replace(self.me(), round=self._sync.round), self._visible())
             first_step, claims = self.inner_steps_total, {}
         else:
             rank, world = protocol.roster(self.me(), self._visible())
@@ -729,7 +736,9 @@ class Trainer:
                 if self.stop.is_set() or (stats.steps and time.monotonic() + step_s / 2 >= deadline):
                     break
                 if self._sync is not None and self._sync.synced() and not self.land():
-                    stats.dropped = True  # that sync failed or went stale: these steps are dropped
+                    stats.dropped = (
+                        True  # that sync failed (the swarm went on without us): these steps are dropped
+                    )
                     break
                 if self.schedule is not None and self.schedule.check() is not None:
                     # Past H the round's work is done and the others count us ready: average it, then pause.
@@ -1254,7 +1263,7 @@ class Trainer:
         stats.sync_s = time.monotonic() - t0
         if (
             self.cfg.inner.round_seconds and not self.verifying and not self.overlapping
-        ):  # verifiable rounds count steps (_replica_steps); overlapped ones train on back to back
+        ):  # verifiable rounds count steps (_replica_steps); overlapped ones left the barrier as they started
             # The next round's deadline counts from the moment we left the barrier, as every member of the group
             # did, within a poll of each other: our all-reduce, evaluation and bookkeeping come out of our own
             # training time (a slow device is slow at those too), not out of the others' (they would wait for us
@@ -1349,7 +1358,7 @@ class Trainer:
                 stats,
                 round=report.round,
                 steps=self.inner_steps_total,
-            )
+            ).start()
         else:
             done(report, stats)
 

@@ -219,12 +219,12 @@ def test_the_roster_counts_the_peers_still_averaging_the_round_before_ours_they_
 
 
 def test_next_roster_counts_everyone_who_will_train_the_next_round():
-    """outer.overlap: we train round 4 while our round 3 is averaged; so do the others, each as soon as its
-    own inner phase of round 3 ends."""
+    """outer.overlap: we train round 4 while our round 3 is averaged; so do the others, each as soon as it
+    has passed its barrier of round 3."""
     others = table(
         rec("b", 4),  # its round-3 sync has landed: training round 4
         rec("d", 3, state="averaging"),  # averaging round 3, as we are: training round 4
-        rec("c", 3, state="training"),  # still training round 3: our sync waits for it, then it trains 4
+        rec("c", 3, state="training"),  # still in round 3 past our barrier (left out of it): comes into 4
         rec("f", 2, state="averaging"),  # training round 3 while its round-2 sync lands
         rec("a", 4, state="loading"),
         rec("e", 4, state="paused"),
