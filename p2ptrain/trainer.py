@@ -736,9 +736,8 @@ class Trainer:
                 if self.stop.is_set() or (stats.steps and time.monotonic() + step_s / 2 >= deadline):
                     break
                 if self._sync is not None and self._sync.synced() and not self.land():
-                    stats.dropped = (
-                        True  # that sync failed (the swarm went on without us): these steps are dropped
-                    )
+                    # That sync failed (the swarm went on without us): these steps are dropped.
+                    stats.dropped = True
                     break
                 if self.schedule is not None and self.schedule.check() is not None:
                     # Past H the round's work is done and the others count us ready: average it, then pause.
