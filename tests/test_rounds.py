@@ -684,10 +684,13 @@ def test_one_identity_claiming_a_later_round_neither_stalls_nor_poisons_the_swar
 def test_a_groupmate_sending_ten_times_its_flipped_pseudo_gradient(tmp_path, aggregator):
     """An insider whose every part passes the reducers' checks (finite, well shaped, a weight within bounds)
     but is -10 times its pseudo-gradient: robust aggregation keeps the swarm learning; the plain mean (the
-    control, which shows this test can fail) does not."""
+    control, which shows this test can fail) does not. Eight rounds: in the first four the plain mean's val
+    loss swings (overlapped, it ended 4.35 from 5.27 once in about six runs); by round 8 it ends at 8 to 11."""
     swarm = MemorySwarm()
     swarm.injector.tamper["x"] = lambda delta: -10 * delta
-    peers = start(swarm, tmp_path, ["a", "b", "c", "x"], averaging={"aggregator": aggregator})
+    peers = start(
+        swarm, tmp_path, ["a", "b", "c", "x"], averaging={"aggregator": aggregator}, outer={"num_rounds": 8}
+    )
     finish(peers)
     if aggregator == "centered_clip":
         assert_swarm_contract(tmp_path, peers, ["a", "b", "c", "x"])
