@@ -10,7 +10,8 @@ Runs, one after another (never two at once: they share the machine's cores):
 * honest replicas that differ in thread count and in dtype (fp32 on 1 and 2 threads, bf16), at k = 2;
 * the overhead once every peer is trusted: 4 honest peers, ``verification.rounds_to_trust`` 3; with those
   settings, 1 of 4 attacking (``TRUSTED_ATTACKS``): what an attack costs once replication can end; and 3
-  honest peers alone with them (what the swarm can do without the attacker's compute).
+  honest peers alone with them (what the swarm can do without the attacker's compute); and those runs again
+  over ``LONG_ROUNDS`` rounds.
 
 Read from the honest peers' logs: the rounds in which a hostile peer's work was judged and whether it
 counted, the round it was banned in, strikes against honest peers, every honest pair's sketch distance,
@@ -46,6 +47,8 @@ ROOT = Path(__file__).resolve().parent.parent
 PEERS = 4
 TRUSTED_ATTACKS = ("sign_flip_x10", "wrong_shard")
 """Attacks also run with trust earned in 3 rounds (one caught by robust aggregation too, one only by replicas)."""
+LONG_ROUNDS = 48
+"""The trusted runs again over this many rounds: does the attacker's cost shrink as the run goes on?"""
 WHAT = {
     "sign_flip_x10": "−10 × its pseudo-gradient",
     "x10": "10 × its pseudo-gradient",
@@ -264,6 +267,15 @@ def main(argv: list[str] | None = None) -> None:
                 sets=trusted,
             )
             record(f"trusted/{attack}", run)
+        # The same over a run three times as long: is the gap to all honest the start's, made up later?
+        long = [*trusted, f"outer.num_rounds={LONG_ROUNDS}"]
+        record("long/honest", lambda: swarm(config, logs / "long", replicas=2, sets=long))
+        record("long/3peers", lambda: swarm(config, logs / "long-3", replicas=2, peers=PEERS - 1, sets=long))
+        for attack in TRUSTED_ATTACKS:
+            run = functools.partial(
+                swarm, config, logs / f"long-{attack}", replicas=2, hostile={PEERS - 1: attack}, sets=long
+            )
+            record(f"long/{attack}", run)
 
     cfg = load_config(config)
     result = {
@@ -365,6 +377,27 @@ def table(runs: dict[str, dict], cfg, config_name: str) -> list[str]:
                 f"{three['final_val_loss']:.3f} ({three['final_val_loss'] / trusted['final_val_loss'] - 1:+.1%} "
                 "against 4 honest peers)."
             )
+    honest = runs.get("long/honest")
+    if honest and honest["final_val_loss"]:
+
+        def against(r: dict) -> str:
+            if not r["final_val_loss"]:
+                return f"did not finish alike: exit {r['exit_codes']}"
+            return f"val loss {r['final_val_loss']:.3f} ({r['final_val_loss'] / honest['final_val_loss'] - 1:+.1%})"
+
+        each = [
+            f"{WHAT.get(n.split('/', 1)[1], n)}: detected in round {_or_dash(r['detected_in_round'])}, banned in "
+            f"round {_or_dash(r['banned_in_round'])}, honest struck {r['honest_struck'] or 'none'}, {against(r)}"
+            for n, r in runs.items()
+            if n.startswith("long/") and n not in ("long/honest", "long/3peers")
+        ]
+        three = runs.get("long/3peers")
+        rows.append(
+            f"The same settings over {LONG_ROUNDS} rounds: all honest, val loss {honest['final_val_loss']:.3f}; "
+            + (f"3 honest peers alone, {against(three)}; " if three else "")
+            + "; ".join(each)
+            + "."
+        )
     return rows
 
 
