@@ -265,6 +265,8 @@ class Trainer:
         """Every round whose outer step this peer applied, in order (tests check none is applied twice)."""
         self.loads: list[tuple[str, int]] = []
         """Every state this peer loaded from another: (why, the round it got)."""
+        self.resumed_round: int | None = None
+        """The round of the checkpoint this peer resumed from, if it did."""
         self.memory = protocol.SwarmMemory(cfg.outer.num_rounds)
         """What this peer has seen of the swarm (kept in its checkpoints)."""
         self.backoff = protocol.DonorBackoff(base_s=cfg.swarm.heartbeat_s, max_s=cfg.swarm.record_ttl_s)
@@ -1537,6 +1539,7 @@ class Trainer:
         if resumed is None:
             return
         path, state = resumed
+        self.resumed_round = state.round
         self.inner_steps_total = state.counters.get("inner_steps_total", 0)
         self.samples_total = state.counters.get("samples_total", 0)
         self.compute_s = state.counters.get("compute_ms", 0) / 1000

@@ -459,7 +459,12 @@ def test_a_killed_peer_restarts_from_its_checkpoint_and_loads_the_swarms_newer_s
     peers["c"] = restarted
     finish(peers)
     assert_swarm_contract(tmp_path, peers, ["a", "b", "c"])
-    assert restarted.trainer.rounds_applied[0] >= 4  # resumed at round 2, then loaded the swarm's
+    trainer = restarted.trainer
+    assert trainer.resumed_round is not None and trainer.resumed_round < 4, trainer.resumed_round
+    # Then it loaded the swarm's newer state, and never applied a round the swarm had left behind. (Whether it
+    # applies any before the run ends is the machine's timing: under load the others finished first.)
+    assert trainer.loads and trainer.loads[0][0] == "catch_up" and trainer.loads[0][1] >= 4, trainer.loads
+    assert all(r >= 4 for r in trainer.rounds_applied), trainer.rounds_applied
 
 
 def test_a_newcomer_whose_donor_dies_mid_transfer_refuses_the_truncated_state_and_asks_another(tmp_path):
@@ -474,7 +479,9 @@ def test_a_newcomer_whose_donor_dies_mid_transfer_refuses_the_truncated_state_an
     [first] = [peer for peer, point, _ in injector.fired if point == Point.DONATE]
     assert peers[first].crashed
     assert_swarm_contract(tmp_path, peers, [n for n in ("a", "b", "c") if n != first])
-    assert peers["c"].trainer.rounds_applied[0] >= 2
+    # It took the state from the other donor (whether it trains a round before the run ends is timing).
+    loads, applied = peers["c"].trainer.loads, peers["c"].trainer.rounds_applied
+    assert loads and loads[0][1] >= 2 and all(r >= 2 for r in applied), (loads, applied)
 
 
 def test_a_peer_whose_last_sync_fails_takes_the_final_state_from_a_finished_peer(tmp_path):
