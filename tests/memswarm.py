@@ -93,6 +93,7 @@ class Fault:
     point: Point
     round: int | None  # None: the first time the peer reaches the point
     delay_s: float = 0.0  # > 0: the peer stalls this long instead of crashing
+    until: Callable[[], bool] | None = None  # with delay_s: the stall ends as soon as this holds
 
 
 class Injector:
@@ -111,8 +112,17 @@ class Injector:
     def fail_at(self, peer: str | None, point: Point, round: int | None = None) -> None:
         self._faults.append(Fault(peer, point, round))
 
-    def stall_at(self, peer: str | None, point: Point, round: int | None, seconds: float) -> None:
-        self._faults.append(Fault(peer, point, round, delay_s=seconds))
+    def stall_at(
+        self,
+        peer: str | None,
+        point: Point,
+        round: int | None,
+        seconds: float,
+        until: Callable[[], bool] | None = None,
+    ) -> None:
+        """``peer`` stalls ``seconds`` at ``point``; with ``until``, only until that holds (``seconds`` then
+        caps the wait: a condition that never comes turns into a slow test, not a hang)."""
+        self._faults.append(Fault(peer, point, round, delay_s=seconds, until=until))
 
     def fail_allreduce(self, round: int, peer: str | None = None, attempts: float = float("inf")) -> None:
         """The all-reduce of ``round`` fails for ``peer`` (its next ``attempts`` ones), or for everyone (all)."""
@@ -175,7 +185,9 @@ class _Peer:
         if fault is None:
             return
         if fault.delay_s:
-            time.sleep(fault.delay_s)
+            deadline = time.monotonic() + fault.delay_s
+            while time.monotonic() < deadline and not (fault.until is not None and fault.until()):
+                time.sleep(min(0.01 if fault.until else fault.delay_s, max(0.0, deadline - time.monotonic())))
             self.check_alive()  # it may have been killed meanwhile (serving a download, say)
             return
         self.kill()

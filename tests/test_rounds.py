@@ -360,10 +360,25 @@ def test_a_peer_whose_steps_are_long_beside_matchmaking_does_not_train_on(tmp_pa
     assert steps["trainer-fast"] == 4 * H, f"the fast peer trained on: {steps['trainer-fast']} steps"
 
 
-def test_a_late_joiner_loads_the_swarms_state_and_trains_with_it(tmp_path):
+def test_a_late_joiner_loads_the_swarms_state_and_trains_with_it(tmp_path, monkeypatch):
     swarm = MemorySwarm()
     rounds = {"outer": {"num_rounds": 6}, "averaging": {"target_group_size": 3}}
-    peers = start(swarm, tmp_path, ["a", "b"], **rounds)
+    peers: dict[str, PeerThread] = {}
+
+    def wait_for_c_from_round_4(thread: str, _steps: int) -> None:
+        # From round 4 on, a and b take no step until c is in their round: otherwise, on a busy machine, they may
+        # finish the run while c is still starting or loading, and it never trains with them.
+        peer = peers.get(thread.removeprefix("trainer-"))
+        if peer is None or peer.name == "c" or peer.trainer.round < 4:
+            return
+        deadline = time.monotonic() + 60
+        while "c" not in peers or peers["c"].trainer.round < peer.trainer.round:
+            if time.monotonic() > deadline:
+                raise AssertionError("c did not get to the swarm's round within 60 s")
+            time.sleep(0.01)
+
+    slowed_steps(monkeypatch, {}, after=wait_for_c_from_round_4)
+    peers.update(start(swarm, tmp_path, ["a", "b"], **rounds))
     peers["a"].wait_until(lambda t: t.round >= 2)
     peers["c"] = PeerThread(swarm, "c", fast_config(tmp_path, "c", **rounds))
     finish(peers)
@@ -509,8 +524,10 @@ def test_the_fork_case_a_newcomer_left_with_no_donor_never_writes_a_final_model(
     injector = Injector()
     swarm = MemorySwarm(injector)
     rounds = {"outer": {"num_rounds": 6}}
-    # a finishes and stays a while (stalled); b finishes, sees a done with the same params, and leaves.
-    injector.stall_at("a", Point.FINISHED, round=None, seconds=5.0)
+    # a finishes and stays (stalled until it dies serving c); b finishes, sees a done with the same params, and
+    # leaves.
+    served = lambda: ("a", Point.DONATE) in [(peer, point) for peer, point, _ in injector.fired]  # noqa: E731
+    injector.stall_at("a", Point.FINISHED, round=None, seconds=60.0, until=served)
     peers = start(swarm, tmp_path, ["a", "b"], **rounds)
     peers["b"].join()
     # The newcomer finds only a, which dies serving it.
@@ -536,9 +553,12 @@ def test_the_fork_case_when_the_finished_peer_is_still_there(tmp_path):
     injector = Injector()
     swarm = MemorySwarm(injector)
     rounds = {"outer": {"num_rounds": 6}, "averaging": {"target_group_size": 3}}
-    injector.stall_at("a", Point.FINISHED, None, seconds=2.0)  # both finish, and stay a while
-    injector.stall_at("b", Point.FINISHED, None, seconds=2.0)
-    peers = start(swarm, tmp_path, ["a", "b"], **rounds)
+    peers: dict[str, PeerThread] = {}
+    # Both finish, and stay until c has the final params (not a time that c's start on a busy machine outlasts).
+    final = lambda: "c" in peers and peers["c"].trainer.round >= 6  # noqa: E731
+    injector.stall_at("a", Point.FINISHED, None, seconds=60.0, until=final)
+    injector.stall_at("b", Point.FINISHED, None, seconds=60.0, until=final)
+    peers.update(start(swarm, tmp_path, ["a", "b"], **rounds))
     peers["a"].wait_until(lambda t: t.round >= 5)
     injector.fail_at(None, Point.DONATE)  # the newcomer's first donor dies mid-transfer
     peers["c"] = PeerThread(swarm, "c", fast_config(tmp_path, "c", **rounds))
@@ -578,9 +598,14 @@ def test_a_slow_peer_that_finds_the_swarm_finished_does_not_write_a_final_model(
     """Its last inner phase outlasts the others' linger: when it gets to its barrier, they are gone. It saw
     them finish while it trained (the heartbeat's readings), so it does not step alone into a final model."""
     injector = Injector()
-    injector.stall_at("s", Point.INNER, round=3, seconds=6.0)
+    peers: dict[str, PeerThread] = {}
+
+    def gone() -> bool:  # the stall lasts until the others have left, not a time a busy machine could outlast
+        return all(n in peers and peers[n].result is not None for n in ("a", "b"))
+
+    injector.stall_at("s", Point.INNER, round=3, seconds=60.0, until=gone)
     fast = {"averaging": {"barrier_timeout_s": 1.0}, "swarm": {"linger_s": 3.0, "catch_up_timeout_s": 0.8}}
-    peers = start(MemorySwarm(injector), tmp_path, ["a", "b", "s"], **fast)
+    peers.update(start(MemorySwarm(injector), tmp_path, ["a", "b", "s"], **fast))
     finish(peers)
     assert_swarm_contract(tmp_path, peers, ["a", "b"])
     result = peers["s"].result
