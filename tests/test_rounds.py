@@ -236,7 +236,16 @@ def test_a_peer_evaluates_a_copy_of_the_rounds_params_while_it_trains_the_next_r
 ):
     from p2ptrain import trainer
 
-    steps = slowed_steps(monkeypatch, {})
+    checking: dict[str, tuple[int, threading.Event]] = {}  # peer -> its steps as it began, its compare done
+
+    def until_compared(thread: str, count: int) -> None:
+        # The evaluating peer's second step of the next round waits for the comparison: a starved evaluation
+        # thread must not see the params of a round the trainer finished meanwhile.
+        entry = checking.get(thread.removeprefix("trainer-"))
+        if entry is not None and count >= entry[0] + 2 and not entry[1].wait(30):
+            raise AssertionError(f"{thread}: the evaluation never compared")
+
+    steps = slowed_steps(monkeypatch, {}, after=until_compared)
     seen: list[tuple[str, int, bool, bool]] = []  # peer, its round, trained meanwhile, the round's params
     real_evaluate = trainer.evaluate
     peers: dict[str, PeerThread] = {}
@@ -247,6 +256,8 @@ def test_a_peer_evaluates_a_copy_of_the_rounds_params_while_it_trains_the_next_r
         inline = threading.current_thread().name == f"trainer-{name}"
         if t.round < cfg.outer.num_rounds and not inline:
             before = steps.get(f"trainer-{name}", 0)
+            compared = threading.Event()
+            checking[name] = (before, compared)
             deadline = time.monotonic() + 30
             while steps.get(f"trainer-{name}", 0) == before and time.monotonic() < deadline:
                 time.sleep(0.01)
@@ -259,6 +270,8 @@ def test_a_peer_evaluates_a_copy_of_the_rounds_params_while_it_trains_the_next_r
             seen.append(
                 (name, t.round, steps.get(f"trainer-{name}", 0) > before, same and model is not t.model)
             )
+            del checking[name]
+            compared.set()
         elif t.round < cfg.outer.num_rounds:
             seen.append((name, t.round, False, model is t.model))
         return real_evaluate(model, corpus, cfg, device)
