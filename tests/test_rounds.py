@@ -694,13 +694,25 @@ def _poison(peer: PeerThread, round: int) -> tuple[dict, list]:
 
 
 @pytest.mark.parametrize("jump", [1, 5])
-def test_one_identity_claiming_a_later_round_neither_stalls_nor_poisons_the_swarm(tmp_path, jump):
+def test_one_identity_claiming_a_later_round_neither_stalls_nor_poisons_the_swarm(
+    tmp_path, monkeypatch, jump
+):
     """Attack 3 of the hostile-peer issue: an insider publishes a record of a later round (with a valid
     checksum on a garbage state, served to whoever asks): the honest peers neither wait for it, nor load it,
     nor stop; they finish together."""
     swarm = MemorySwarm()
     timers = {"averaging": {"barrier_timeout_s": 6.0}, "swarm": {"catch_up_timeout_s": 3.0}}
-    peers = start(swarm, tmp_path, ["a", "b"], outer={"num_rounds": 6}, **timers)
+    peers: dict[str, PeerThread] = {}
+    forged_in = threading.Event()
+
+    def no_round_2_before_the_forgery(thread: str, _steps: int) -> None:
+        # The forged record is of round 1 + jump: the honest peers must not be past round 2 before it is in.
+        peer = peers.get(thread.removeprefix("trainer-"))
+        if peer is not None and peer.trainer.round >= 2 and not forged_in.wait(30):
+            raise AssertionError("the forged record never came")
+
+    slowed_steps(monkeypatch, {}, after=no_round_2_before_the_forgery)
+    peers.update(start(swarm, tmp_path, ["a", "b"], outer={"num_rounds": 6}, **timers))
     peers["a"].wait_until(lambda t: t.round >= 1)
     metadata, tensors = _poison(peers["a"], round=1 + jump)
     forged = ProgressRecord(
@@ -716,6 +728,7 @@ def test_one_identity_claiming_a_later_round_neither_stalls_nor_poisons_the_swar
         time=time.time(),
     )
     swarm.forge(forged, ttl_s=3600, state=(metadata, tensors))
+    forged_in.set()
     finish(peers)
     assert_swarm_contract(tmp_path, peers, ["a", "b"])
     assert swarm.forged_downloads == 0
