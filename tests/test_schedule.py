@@ -92,12 +92,18 @@ def test_a_paused_peer_costs_the_others_no_wait_and_rejoins_on_its_own(tmp_path,
     swarm = MemorySwarm()
     paused: list[int] = []  # the round c paused in, once it has
     peers: dict[str, PeerThread] = {}
+    game = threading.Event()  # the volunteer's game has started
 
     def hold_the_others_until_c_is_back(thread: str, _steps: int) -> None:
-        # Two rounds past c's pause, a and b take no step until c has caught up: otherwise they may finish the
-        # run before c's schedule notices that the machine is free (they did, with rounds overlapped).
+        # In round 4, a and b wait for the game to start (a starved main thread must not let the run end first);
+        # two rounds past c's pause, they take no step until c has caught up: otherwise they may finish the run
+        # before c's schedule notices that the machine is free (they did, with rounds overlapped).
         name = thread.removeprefix("trainer-")
-        if name == "c" or not paused or peers[name].trainer.round < paused[0] + 2:
+        if name == "c" or name not in peers:
+            return
+        if peers[name].trainer.round >= 4 and not game.wait(60):
+            raise AssertionError("the game never started")
+        if not paused or peers[name].trainer.round < paused[0] + 2:
             return
         deadline = time.monotonic() + 60
         while not peers["c"].trainer.loads:
@@ -127,6 +133,7 @@ def test_a_paused_peer_costs_the_others_no_wait_and_rejoins_on_its_own(tmp_path,
     peers.update({name: PeerThread(swarm, name, cfg, trainer_cls=trainer) for name, cfg in configs.items()})
     peers["c"].wait_until(lambda t: t.round >= 2)
     machine.other_cpu = 0.9  # the volunteer starts a game
+    game.set()
     peers["c"].wait_until(lambda t: bool(t.pauses))
     paused_in = peers["c"].trainer.pauses[0][0]
     paused.append(paused_in)
