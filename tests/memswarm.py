@@ -185,9 +185,12 @@ class _Peer:
         if fault is None:
             return
         if fault.delay_s:
-            deadline = time.monotonic() + fault.delay_s
-            while time.monotonic() < deadline and not (fault.until is not None and fault.until()):
-                time.sleep(min(0.01 if fault.until else fault.delay_s, max(0.0, deadline - time.monotonic())))
+            if fault.until is None:
+                time.sleep(fault.delay_s)
+            else:
+                deadline = time.monotonic() + fault.delay_s
+                while not fault.until() and time.monotonic() < deadline:
+                    time.sleep(0.01)
             self.check_alive()  # it may have been killed meanwhile (serving a download, say)
             return
         self.kill()

@@ -537,10 +537,13 @@ def test_the_fork_case_a_newcomer_left_with_no_donor_never_writes_a_final_model(
     injector = Injector()
     swarm = MemorySwarm(injector)
     rounds = {"outer": {"num_rounds": 6}}
+
+    def a_served() -> bool:
+        return any(peer == "a" and point == Point.DONATE for peer, point, _ in injector.fired)
+
     # a finishes and stays (stalled until it dies serving c); b finishes, sees a done with the same params, and
     # leaves.
-    served = lambda: ("a", Point.DONATE) in [(peer, point) for peer, point, _ in injector.fired]  # noqa: E731
-    injector.stall_at("a", Point.FINISHED, round=None, seconds=60.0, until=served)
+    injector.stall_at("a", Point.FINISHED, round=None, seconds=60.0, until=a_served)
     peers = start(swarm, tmp_path, ["a", "b"], **rounds)
     peers["b"].join()
     # The newcomer finds only a, which dies serving it.
@@ -567,10 +570,14 @@ def test_the_fork_case_when_the_finished_peer_is_still_there(tmp_path):
     swarm = MemorySwarm(injector)
     rounds = {"outer": {"num_rounds": 6}, "averaging": {"target_group_size": 3}}
     peers: dict[str, PeerThread] = {}
-    # Both finish, and stay until c has the final params (not a time that c's start on a busy machine outlasts).
-    final = lambda: "c" in peers and peers["c"].trainer.round >= 6  # noqa: E731
-    injector.stall_at("a", Point.FINISHED, None, seconds=60.0, until=final)
-    injector.stall_at("b", Point.FINISHED, None, seconds=60.0, until=final)
+
+    def c_final() -> (
+        bool
+    ):  # both finish, and stay until then (not a time c's start on a busy machine outlasts)
+        return "c" in peers and peers["c"].trainer.round >= 6
+
+    injector.stall_at("a", Point.FINISHED, None, seconds=60.0, until=c_final)
+    injector.stall_at("b", Point.FINISHED, None, seconds=60.0, until=c_final)
     peers.update(start(swarm, tmp_path, ["a", "b"], **rounds))
     peers["a"].wait_until(lambda t: t.round >= 5)
     injector.fail_at(None, Point.DONATE)  # the newcomer's first donor dies mid-transfer
