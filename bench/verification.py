@@ -49,6 +49,8 @@ TRUSTED_ATTACKS = ("sign_flip_x10", "wrong_shard")
 """Attacks also run with trust earned in 3 rounds (one caught by robust aggregation too, one only by replicas)."""
 LONG_ROUNDS = 48
 """The trusted runs again over this many rounds: does the attacker's cost shrink as the run goes on?"""
+EQUAL_SAMPLES_ROUNDS = LONG_ROUNDS * (PEERS - 1) // PEERS
+"""4 honest peers train in this many rounds the samples that 3 train in ``LONG_ROUNDS``."""
 WHAT = {
     "sign_flip_x10": "−10 × its pseudo-gradient",
     "x10": "10 × its pseudo-gradient",
@@ -271,6 +273,12 @@ def main(argv: list[str] | None = None) -> None:
         long = [*trusted, f"outer.num_rounds={LONG_ROUNDS}"]
         record("long/honest", lambda: swarm(config, logs / "long", replicas=2, sets=long))
         record("long/3peers", lambda: swarm(config, logs / "long-3", replicas=2, peers=PEERS - 1, sets=long))
+        # 4 honest peers over the rounds in which they train what 3 train in LONG_ROUNDS: is what an attack
+        # costs, once banned, the attacker's compute and nothing more?
+        equal = [*trusted, f"outer.num_rounds={EQUAL_SAMPLES_ROUNDS}"]
+        record(
+            "long/honest_equal_samples", lambda: swarm(config, logs / "long-equal", replicas=2, sets=equal)
+        )
         for attack in TRUSTED_ATTACKS:
             run = functools.partial(
                 swarm, config, logs / f"long-{attack}", replicas=2, hostile={PEERS - 1: attack}, sets=long
@@ -380,16 +388,17 @@ def table(runs: dict[str, dict], cfg, config_name: str) -> list[str]:
     honest = runs.get("long/honest")
     if honest and honest["final_val_loss"]:
 
-        def against(r: dict) -> str:
+        def against(r: dict, base: dict = honest) -> str:
             if not r["final_val_loss"]:
                 return f"did not finish alike: exit {r['exit_codes']}"
-            return f"val loss {r['final_val_loss']:.3f} ({r['final_val_loss'] / honest['final_val_loss'] - 1:+.1%})"
+            return f"val loss {r['final_val_loss']:.3f} ({r['final_val_loss'] / base['final_val_loss'] - 1:+.1%})"
 
+        apart = ("long/honest", "long/3peers", "long/honest_equal_samples")
+        attacked = {n: r for n, r in runs.items() if n.startswith("long/") and n not in apart}
         each = [
             f"{WHAT.get(n.split('/', 1)[1], n)}: detected in round {_or_dash(r['detected_in_round'])}, banned in "
             f"round {_or_dash(r['banned_in_round'])}, honest struck {r['honest_struck'] or 'none'}, {against(r)}"
-            for n, r in runs.items()
-            if n.startswith("long/") and n not in ("long/honest", "long/3peers")
+            for n, r in attacked.items()
         ]
         three = runs.get("long/3peers")
         rows.append(
@@ -398,6 +407,19 @@ def table(runs: dict[str, dict], cfg, config_name: str) -> list[str]:
             + "; ".join(each)
             + "."
         )
+        equal = runs.get("long/honest_equal_samples")
+        if equal and equal["final_val_loss"]:
+            named = {
+                "long/honest": f"4 honest peers over {LONG_ROUNDS} rounds",
+                "long/3peers": "3 honest peers",
+            }
+            named |= {n: WHAT.get(n.split("/", 1)[1], n) for n in attacked}
+            rows.append(
+                f"At equal samples: 4 honest peers over {EQUAL_SAMPLES_ROUNDS} rounds (what 3 train in "
+                f"{LONG_ROUNDS}), val loss {equal['final_val_loss']:.3f}; against it, "
+                + "; ".join(f"{name}: {against(runs[n], equal)}" for n, name in named.items() if n in runs)
+                + "."
+            )
     return rows
 
 
