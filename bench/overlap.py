@@ -10,7 +10,7 @@ says little: the seed alone (data order, init) moves the final loss by 10% in th
 percent any change of schedule; each row is the mean over ``--seeds`` of each seed's ratio to its own run
 without overlap.
 
-    python -m bench.overlap [--taus 1 3] [--carries 1.0 0.5] [--peers 3] [--seeds 0 1 2] [--workers 2]
+    python -m bench.overlap [--taus 1 3] [--carries 1.0 0.75 0.5 0.25] [--peers 3] [--seeds 0 1 2] [--workers 2]
 
 Each simulation runs on one thread; ``--workers`` of them at a time, in processes of their own.
 
@@ -102,7 +102,7 @@ def _label(how: str, carry: float) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--taus", type=int, nargs="+", default=[1, 3])
-    ap.add_argument("--carries", type=float, nargs="+", default=[1.0, 0.5])
+    ap.add_argument("--carries", type=float, nargs="+", default=[1.0, 0.75, 0.5, 0.25])
     ap.add_argument("--peers", type=int, default=3)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4, 5])
     ap.add_argument("--workers", type=int, default=2)
@@ -145,10 +145,10 @@ def main() -> None:
             row[f"{label}_ratio"] = mean(ratios)
             row[f"{label}_ratio_stderr"] = spread(ratios)
         shares = [c for c in args.carries if c != 1.0]
-        if (
-            shares and 1.0 in args.carries
-        ):  # seed by seed, a share against all: the pairs that tell them apart
-            half = _label("carried_over", shares[0])
+        # Seed by seed, the default share against keeping all: the pairs are what tell them apart.
+        if shares and 1.0 in args.carries:
+            share = default.outer.overlap_carry if default.outer.overlap_carry in shares else shares[0]
+            half = _label("carried_over", share)
             row["paired"] = {
                 "against": "carried_over",
                 "share": half,
