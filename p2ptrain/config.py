@@ -204,7 +204,8 @@ class OuterConfig(_Section):
     new global params land (1: all of it, as releases before 2026-12-04 did; 0: none, those steps are then
     wasted). Those steps were taken from the peer's own params, not the new global ones: in the default
     experiment keeping half of them ended lower than keeping all of them in 6 of 6 seeds, and cost less than
-    keeping 0.75 or 0.25 of them (docs/benchmarks.md, overlapping the outer sync). Each peer's own: it never changes the params the swarm agrees on."""
+    keeping 0.75 or 0.25 of them (docs/benchmarks.md, overlapping the outer sync). Each peer's own: it never
+    changes the params the swarm agrees on."""
 
 
 class AveragingConfig(_Section):
