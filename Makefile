@@ -52,6 +52,8 @@ bench: $(STAMP)
 	$(BIN)/python -m bench.utilization --seeds 0 1 2
 	$(BIN)/python -m bench.link
 	$(BIN)/python -m bench.overlap
+	$(BIN)/python -m bench.overlap --set outer.lr=0.5 --taus 3 --carries 0.5 --out bench/results/overlap-lr0.5.json --block overlap-lr0.5
+	$(BIN)/python -m bench.overlap --set outer.lr=0.9 --taus 3 --carries 0.5 --out bench/results/overlap-lr0.9.json --block overlap-lr0.9
 	$(BIN)/python -m bench.data
 	$(BIN)/python -m bench.llama
 	$(BIN)/python -m bench.kinds

@@ -11,10 +11,13 @@ percent any change of schedule; each row is the mean over ``--seeds`` of each se
 without overlap.
 
     python -m bench.overlap [--taus 1 3] [--carries 1.0 0.75 0.5 0.25] [--peers 3] [--seeds 0 1 2] [--workers 2]
+                            [--set outer.lr=0.5 ...] [--out bench/results/overlap.json] [--block overlap]
 
-Each simulation runs on one thread; ``--workers`` of them at a time, in processes of their own.
+Each simulation runs on one thread; ``--workers`` of them at a time, in processes of their own. ``--set``
+changes the default experiment (as ``p2ptrain join --set`` does), for every run alike, the runs without
+overlap included: e.g. another outer learning rate, to see whether overlap's cost depends on it.
 
-Writes bench/results/overlap.json and the overlap table in docs/benchmarks.md.
+Writes bench/results/overlap.json and the overlap table in docs/benchmarks.md (``--out``, ``--block``).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import torch
 
 from bench.report import RESULTS, replace_block
 from bench.simulate import _Group
-from p2ptrain.config import load_config
+from p2ptrain.config import load_config, parse_set
 from p2ptrain.data import Corpus, load_corpus
 from p2ptrain.diloco import DiLoCo
 from p2ptrain.evaluation import evaluate
@@ -86,11 +89,17 @@ def simulate(cfg, peers: int, tau: int, *, keep: bool = True, carry: float = 1.0
     return evaluate(models[0], corpus, cfg, torch.device("cpu"))["val_loss"]
 
 
-def _run(peers: int, job: tuple[int, int, str, float]) -> tuple[tuple[int, int, str, float], float]:
+def _experiment(sets: list[str]):
+    return load_config(ROOT / "configs" / "default.yaml", parse_set(sets))
+
+
+def _run(
+    peers: int, sets: list[str], job: tuple[int, int, str, float]
+) -> tuple[tuple[int, int, str, float], float]:
     """One simulation in a worker process: (seed, τ, "carried_over" | "thrown_away" | "none", carry)."""
     torch.set_num_threads(1)
     seed, tau, how, carry = job
-    default = load_config(ROOT / "configs" / "default.yaml")
+    default = _experiment(sets)
     cfg = default.model_copy(update={"run": default.run.model_copy(update={"seed": seed})})
     return job, simulate(cfg, peers, tau, keep=how != "thrown_away", carry=carry)
 
@@ -106,8 +115,11 @@ def main() -> None:
     ap.add_argument("--peers", type=int, default=3)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4, 5])
     ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--set", action="append", default=[], dest="sets", help="section.key=value, every run")
+    ap.add_argument("--out", type=Path, default=RESULTS / "overlap.json")
+    ap.add_argument("--block", default="overlap", help="the table in docs/benchmarks.md to write")
     args = ap.parse_args()
-    default = load_config(ROOT / "configs" / "default.yaml")
+    default = _experiment(args.sets)
     t0 = time.monotonic()
     jobs = [(seed, 0, "none", 1.0) for seed in args.seeds]
     for seed in args.seeds:
@@ -116,7 +128,7 @@ def main() -> None:
             jobs.append((seed, tau, "thrown_away", 1.0))
     done: dict[tuple[int, int, str, float], float] = {}
     with ProcessPoolExecutor(max_workers=args.workers) as pool:
-        for job, loss in pool.map(partial(_run, args.peers), jobs):
+        for job, loss in pool.map(partial(_run, args.peers, args.sets), jobs):
             done[job] = loss
             print(f"seed {job[0]}, tau {job[1]}, {_label(job[2], job[3])}: {loss:.4f}", flush=True)
     columns = [("carried_over", c) for c in args.carries] + [("thrown_away", 1.0)]
@@ -169,15 +181,16 @@ def main() -> None:
             "outer": {"lr": cfg.outer.lr, "momentum": cfg.outer.momentum, "nesterov": cfg.outer.nesterov},
             "seeds": args.seeds,
             "carries": args.carries,
+            "overrides": args.sets,
         },
         "by_seed": by_seed,
         "mean_ratios": rows_by_tau,
         "seconds": round(time.monotonic() - t0),
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "overlap.json").write_text(json.dumps(out, indent=2) + "\n")
+    args.out.write_text(json.dumps(out, indent=2) + "\n")
     rows = table(out)
-    replace_block("overlap", rows)
+    replace_block(args.block, rows)
     print("\n".join(rows))
 
 
@@ -213,6 +226,9 @@ def table(out: dict) -> list[str]:
         for r in out["mean_ratios"]
         if "paired" in r
     ]
+    if out["experiment"].get("overrides"):
+        sets = ", ".join(f"`{s}`" for s in out["experiment"]["overrides"])
+        rows += ["", f"Every run of this table, those without overlap included, with {sets}."]
     if paired:
         share = out["mean_ratios"][0]["paired"]["share"].removeprefix("carried_over_")
         rows += [
