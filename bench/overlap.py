@@ -15,7 +15,9 @@ without overlap.
 
 Each simulation runs on one thread; ``--workers`` of them at a time, in processes of their own. ``--set``
 changes the default experiment (as ``p2ptrain join --set`` does), for every run alike, the runs without
-overlap included: e.g. another outer learning rate, to see whether overlap's cost depends on it.
+overlap included: e.g. another outer learning rate, to see whether overlap's cost depends on it. It needs
+``--out`` and ``--block`` of its own, and may not set what the bench sets per run (the seed, the overlap
+and its share).
 
 Writes bench/results/overlap.json and the overlap table in docs/benchmarks.md (``--out``, ``--block``).
 """
@@ -31,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from bench.report import RESULTS, replace_block
+from bench.report import DOC, RESULTS, replace_block
 from bench.simulate import _Group
 from p2ptrain.config import load_config, parse_set
 from p2ptrain.data import Corpus, load_corpus
@@ -89,6 +91,10 @@ def simulate(cfg, peers: int, tau: int, *, keep: bool = True, carry: float = 1.0
     return evaluate(models[0], corpus, cfg, torch.device("cpu"))["val_loss"]
 
 
+_OWN_KEYS = {"run.seed", "outer.overlap", "outer.overlap_carry"}
+"""Set by the bench for each run (``--seeds``, ``--taus``, ``--carries``): ``--set`` may not change them."""
+
+
 def _experiment(sets: list[str]):
     return load_config(ROOT / "configs" / "default.yaml", parse_set(sets))
 
@@ -119,6 +125,15 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=RESULTS / "overlap.json")
     ap.add_argument("--block", default="overlap", help="the table in docs/benchmarks.md to write")
     args = ap.parse_args()
+    for item in args.sets:  # what the bench sets itself per run would silently win over these
+        if item.partition("=")[0].strip() in _OWN_KEYS:
+            ap.error(f"--set {item}: the bench sets it per run (--seeds, --taus, --carries)")
+    if args.sets and (args.out == RESULTS / "overlap.json" or args.block == "overlap"):
+        ap.error(
+            "--set needs an --out and a --block of its own (the default experiment's table stays as it is)"
+        )
+    if f"<!-- {args.block}:start -->" not in DOC.read_text():  # before the runs, not after them
+        ap.error(f"--block {args.block}: {DOC} has no <!-- {args.block}:start --> marker")
     default = _experiment(args.sets)
     t0 = time.monotonic()
     jobs = [(seed, 0, "none", 1.0) for seed in args.seeds]
@@ -187,7 +202,7 @@ def main() -> None:
         "mean_ratios": rows_by_tau,
         "seconds": round(time.monotonic() - t0),
     }
-    RESULTS.mkdir(parents=True, exist_ok=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=2) + "\n")
     rows = table(out)
     replace_block(args.block, rows)
@@ -195,7 +210,7 @@ def main() -> None:
 
 
 def table(out: dict) -> list[str]:
-    """The overlap table of docs/benchmarks.md from bench/results/overlap.json's contents."""
+    """An overlap table of docs/benchmarks.md from the contents of what :func:`main` wrote (``--out``)."""
     by_seed = out["by_seed"]
     H, carries = out["experiment"]["inner_steps"], out["experiment"]["carries"]
     columns = [("carried_over", c) for c in carries] + [("thrown_away", 1.0)]
