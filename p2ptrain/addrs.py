@@ -33,6 +33,16 @@ def parse_multiaddr(value: str) -> Multiaddr:
         raise ValueError(f"not a valid multiaddr: {value!r} ({e})") from None
 
 
+def check_peer_maddr(value: str) -> None:
+    """Raise ``ValueError`` unless ``value`` names a peer (``/p2p/<peer id>``): libp2p dials a peer, not an
+    address, and without its id refuses the address only once the daemon is up."""
+    if "/p2p/" not in value:
+        raise ValueError(
+            f"{value!r} has no /p2p/<peer id> part: give the whole address a peer prints, e.g. "
+            "/ip4/203.0.113.5/tcp/31337/p2p/12D3Koo..."
+        )
+
+
 def is_loopback(maddr: str) -> bool:
     return maddr.startswith(("/ip4/127.", "/ip6/::1/", "/dns/localhost/", "/dns4/localhost/"))
 
@@ -52,6 +62,7 @@ def read_maddrs_file(path: Path | None, timeout_s: float) -> list[str]:
             for maddr in maddrs:
                 try:
                     parse_multiaddr(maddr)
+                    check_peer_maddr(maddr)
                 except ValueError as e:
                     raise SwarmError(f"{path}: {e}") from None
             return maddrs

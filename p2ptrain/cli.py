@@ -22,6 +22,7 @@ from p2ptrain.addrs import SwarmError, check_writable, is_loopback, write_maddrs
 from p2ptrain.config import (
     TRAINING_SECTIONS,
     ConfigError,
+    check_fields,
     deep_merge,
     load_config,
     parse_set,
@@ -117,6 +118,27 @@ def resolve(config: Path | None, sets: list[str] | None, flags: dict[str, dict[s
         raise fail(str(e).replace("\n", "\nerror: "), EXIT_USAGE) from None
 
 
+def writable(path: Path | None, flag: str) -> None:
+    """Refuse an output path that cannot be written (a folder, a missing folder that cannot be made) before
+    the work that ends in it."""
+    if path is None:
+        return
+    try:
+        check_writable(path)
+    except OSError as e:
+        raise fail(f"{flag} {path}: cannot write it ({e.strerror or e})", EXIT_USAGE) from None
+
+
+def writable_folder(path: Path, flag: str) -> None:
+    """Refuse an output folder that is a file, or cannot be made, before the work that fills it."""
+    if path.exists() and not path.is_dir():
+        raise fail(f"{flag} {path}: is a file, not a folder", EXIT_USAGE)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise fail(f"{flag} {path}: cannot make it ({e.strerror or e})", EXIT_USAGE) from None
+
+
 def read_config_file(path: Path) -> dict[str, Any]:
     try:
         return read_yaml(path)
@@ -139,6 +161,8 @@ def swarm_experiment(overrides: dict[str, Any]) -> Any:
     Returns None when no initial peers are given (this peer starts a new swarm).
     """
     try:
+        # The joiner's own flags first: a typo is refused before the swarm is asked for anything.
+        check_fields(overrides)
         swarm_cfg = load_config(None, {"swarm": overrides.get("swarm", {})}).swarm
     except ConfigError as e:
         raise fail(str(e).replace("\n", "\nerror: "), EXIT_USAGE) from None
@@ -378,7 +402,10 @@ def dht(
                 ) from None
         if cfg.metrics.port:
             # Swarm-wide series only: a node that does not train exports no loss, throughput or round of its own.
-            telemetry.serve(cfg.metrics.port, cfg.metrics.host, registry=telemetry.NODE)
+            try:
+                telemetry.serve(cfg.metrics.port, cfg.metrics.host, registry=telemetry.NODE)
+            except ConfigError as e:
+                raise fail(str(e), EXIT_USAGE) from None
             telemetry.set_peer_info(peer_id=node.peer_id.to_base58(), run_id=cfg.run.run_id, device="none")
             monitor = telemetry.SwarmMonitor(
                 lambda: live_records(node, cfg.run.run_id), cfg.metrics.swarm_period_s
@@ -452,6 +479,8 @@ def keygen(
     (swarm.key_file, or --key-file): only holders can join it."""
     from p2ptrain.membership import generate_swarm_key
 
+    if path.exists():  # a swarm's key, perhaps: replacing it would lock its holder out of the swarm
+        raise fail(f"{path} already exists; a swarm key is never overwritten", EXIT_USAGE)
     try:
         generate_swarm_key(path)
     except SwarmError as e:
@@ -472,6 +501,9 @@ def demo(
     cfg = resolve(config, set_, {"outer": dict(num_rounds=rounds)})
     from p2ptrain.demo import DemoError, run_demo
 
+    writable(summary_json, "--summary-json")  # now, not after the whole demo has run
+    if workdir.exists() and not workdir.is_dir():
+        raise fail(f"--workdir {workdir}: is a file, not a folder", EXIT_USAGE)
     try:
         summary = run_demo(cfg, peers=peers, workdir=workdir, config_path=config, sets=set_ or [])
     except DemoError as e:
@@ -500,6 +532,12 @@ def eval_(
     from p2ptrain.checkpoint import CheckpointError
     from p2ptrain.evaluation import Evaluator
 
+    writable(plot, "--plot")
+    for path in checkpoint_paths:
+        if path.is_dir():
+            raise fail(
+                f"{path}: is a folder; give model files (e.g. {path / 'final.safetensors'})", EXIT_USAGE
+            )
     series: dict[str, list[tuple[int, float]]] = {}
     evaluator = Evaluator()
     for path in checkpoint_paths:
@@ -528,7 +566,10 @@ def eval_(
     if plot is not None:
         from p2ptrain.plots import plot_loss
 
-        plot_loss(series, plot, title="validation loss by round")
+        try:
+            plot_loss(series, plot, title="validation loss by round")
+        except OSError as e:
+            raise fail(f"--plot {plot}: cannot write it ({e.strerror or e})", EXIT_RUNTIME) from None
         typer.echo(f"Plot written to {plot}", err=as_json)
 
 
@@ -546,6 +587,7 @@ def export_(
     from p2ptrain.checkpoint import CheckpointError
     from p2ptrain.export import ExportError, export
 
+    writable_folder(out, "--out")
     try:
         config = export(checkpoint_path, out)
     except (CheckpointError, ExportError, OSError) as e:
@@ -594,6 +636,8 @@ def data_prepare(
 
     from p2ptrain.prepare import PrepareError, expand_sources, prepare
 
+    if out.exists() and not out.is_dir():
+        raise fail(f"--out {out}: is a file, not a folder", EXIT_USAGE)
     try:
         total = sum(s.size() for s in expand_sources(sources, split))
         columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn())
@@ -627,9 +671,10 @@ def config_show(file: Annotated[Path | None, typer.Argument()] = None, set_: Set
 
 
 @config_app.command("validate")
-def config_validate(file: Annotated[Path, typer.Argument()]) -> None:
-    """Check a config file; exit 2 with the field path of every problem."""
-    resolve(file, None, {})
+def config_validate(file: Annotated[Path, typer.Argument()], set_: SetOpt = None) -> None:
+    """Check a config file (with P2PTRAIN_ env and --set, as join would take it); exit 2 with the field path
+    of every problem."""
+    resolve(file, set_, {})
     typer.echo(f"ok: {file}")
 
 

@@ -23,14 +23,14 @@ import os
 import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.fields import FieldInfo
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, SettingsError
 
-from p2ptrain.addrs import parse_multiaddr
+from p2ptrain.addrs import check_peer_maddr, parse_multiaddr
 from p2ptrain.records import MAX_REPLICAS
 
 ENV_PREFIX = "P2PTRAIN_"
@@ -43,7 +43,10 @@ class ConfigError(ValueError):
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+    # allow_inf_nan: a YAML .inf passes every `gt=0` bound that refuses .nan, and trains nothing.
+    model_config = ConfigDict(
+        extra="forbid", use_attribute_docstrings=True, validate_assignment=True, allow_inf_nan=False
+    )
 
 
 class RunConfig(_Section):
@@ -135,7 +138,10 @@ class DataConfig(_Section):
                 raise ValueError(f"data.path: {e}") from None
         elif self.source in ("idx", "images"):
             if self.path is None:
-                raise ValueError(f"data.path is required when data.source is {self.source!r}: the folder")
+                raise ValueError(
+                    f"data.path is required when data.source is {self.source!r}: give the folder it reads "
+                    "(--set data.path=DIR)"
+                )
             if not self.path.is_dir():
                 raise ValueError(f"data.path: {self.path} is not a folder")
         elif self.path is not None:
@@ -397,6 +403,13 @@ class SwarmConfig(_Section):
     def _check_maddrs(cls, values: list[str]) -> list[str]:
         for value in values:
             parse_multiaddr(value)
+        return values
+
+    @field_validator("initial_peers")
+    @classmethod
+    def _check_peer_ids(cls, values: list[str]) -> list[str]:
+        for value in values:
+            check_peer_maddr(value)
         return values
 
     @model_validator(mode="after")
@@ -856,14 +869,98 @@ def load_config(
         ConfigError: one line per problem, each naming the field path.
     """
     data = read_yaml(path) if path is not None else (base or {})
+    check_environment()
     token = _YAML_DATA.set(data)
     try:
         return ExperimentConfig(**(overrides or {}))
     except ValidationError as e:
         sources = _Sources(path, data, overrides or {})
         raise ConfigError(format_validation_error(e, source=sources.of)) from None
+    except SettingsError as e:
+        raise ConfigError(_environment_problem(e)) from None
     finally:
         _YAML_DATA.reset(token)
+
+
+def check_fields(overrides: dict[str, Any]) -> None:
+    """Check what ``overrides`` (flags, ``--set``) and the environment set, field by field, before the
+    config they go into is known (a joiner's, before it reads the swarm's experiment): a wrong type, a
+    value out of range, an unknown key. Checks between fields wait for the whole config.
+
+    Raises:
+        ConfigError: one line per problem, each naming the field path and where it was set.
+    """
+    check_environment()
+    token = _YAML_DATA.set({})
+    try:
+        ExperimentConfig(**overrides)
+    except ValidationError as e:
+        # A field's own problem has a field's location; a check between fields has a section's, or none.
+        own = [item for item in e.errors() if len(item["loc"]) >= 2 or item["type"] == "extra_forbidden"]
+        if own:
+            raise ConfigError(format_errors(own, source=_Sources(None, {}, overrides).of)) from None
+    except SettingsError as e:
+        raise ConfigError(_environment_problem(e)) from None
+    finally:
+        _YAML_DATA.reset(token)
+
+
+def _env_field(name: str) -> tuple[str, str] | None:
+    """The (section, key) a ``P2PTRAIN_<SECTION>__<KEY>`` variable sets, or None for another name."""
+    if not name.upper().startswith(ENV_PREFIX):
+        return None
+    section, delimiter, key = name[len(ENV_PREFIX) :].lower().partition("__")
+    return (section, key) if delimiter else None
+
+
+def check_environment() -> None:
+    """Refuse ``P2PTRAIN_`` variables that would be ignored: one naming no section, or a section and key
+    joined by one underscore (``P2PTRAIN_INNER_LR``). A key the section lacks is refused by the config."""
+    sections = list(ExperimentConfig.model_fields)
+    problems = []
+    for name in sorted(os.environ):
+        if not name.upper().startswith(ENV_PREFIX):
+            continue
+        rest = name[len(ENV_PREFIX) :]
+        field = _env_field(name)
+        if field is not None and field[0] not in sections:
+            problems.append(
+                f"environment variable {name}: no section {field[0]!r} (the sections: {', '.join(sections)})"
+            )
+        elif field is None and (head := rest.lower().partition("_"))[0] in sections and head[2]:
+            problems.append(
+                f"environment variable {name}: a section and its key are joined by two underscores: "
+                f"{ENV_PREFIX}{head[0].upper()}__{head[2].upper()}"
+            )
+    if problems:
+        raise ConfigError("\n".join(problems))
+
+
+def _is_collection(annotation: Any) -> bool:
+    if get_origin(annotation) in (Union, type(int | None)):
+        return any(_is_collection(arg) for arg in get_args(annotation))
+    return get_origin(annotation) in (list, tuple, set, frozenset, dict) or annotation in (list, tuple, dict)
+
+
+def _environment_problem(error: SettingsError) -> str:
+    """pydantic-settings' error for a variable it cannot parse, as one line naming the variable: a list or
+    mapping field takes JSON (``P2PTRAIN_SWARM__INITIAL_PEERS='["/ip4/..."]'``)."""
+    for name, value in sorted(os.environ.items()):
+        field = _env_field(name)
+        section = ExperimentConfig.model_fields.get(field[0]) if field else None
+        if field is None or section is None or not isinstance(section.annotation, type):
+            continue
+        info = getattr(section.annotation, "model_fields", {}).get(field[1])
+        if info is None or not _is_collection(info.annotation):
+            continue
+        try:
+            json.loads(value)
+        except ValueError:
+            example = info.default or ["/ip4/203.0.113.5/tcp/31337/p2p/12D3Koo..."]
+            return (
+                f"environment variable {name}: give JSON, e.g. {name}='{json.dumps(example)}' (got {value!r})"
+            )
+    return f"environment variables: {str(error).splitlines()[0]}"
 
 
 class _Sources:
@@ -901,8 +998,13 @@ def format_validation_error(error: ValidationError, source: Any = None) -> str:
     Args:
         source: a string (every problem's source), or a function of the field's location that returns one.
     """
+    return format_errors(error.errors(), source)
+
+
+def format_errors(errors: Iterable[Any], source: Any = None) -> str:
+    """:func:`format_validation_error` for a selection of a ``ValidationError``'s ``errors()``."""
     lines = []
-    for item in error.errors():
+    for item in errors:
         where = ".".join(str(part) for part in item["loc"])
         message = item["msg"]
         if message.startswith("Value error, "):
@@ -928,7 +1030,9 @@ def reference_markdown() -> str:
         "",
         "Precedence, highest first: command-line flags and `--set section.key=value`; environment variables",
         "`P2PTRAIN_<SECTION>__<KEY>` (for example `P2PTRAIN_INNER__LR=3e-4`); the YAML file; the defaults below.",
-        "Unknown keys are errors.",
+        "Unknown keys are errors, and so is a `P2PTRAIN_` variable that names no section or joins section and key",
+        "with one underscore. A list set by a variable is JSON:",
+        "`P2PTRAIN_SWARM__INITIAL_PEERS='[\"/ip4/203.0.113.5/tcp/31337/p2p/12D3Koo...\"]'`.",
         "",
     ]
     for section_name, section_field in ExperimentConfig.model_fields.items():

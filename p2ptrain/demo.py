@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import shutil
 import sys
 import threading
@@ -27,6 +28,22 @@ class DemoError(RuntimeError):
     pass
 
 
+DEMO_FILE = re.compile(r"peer\d+(\.log)?")
+"""What a demo writes for each peer in its workdir: ``peer<i>/`` (checkpoints, models) and ``peer<i>.log``."""
+
+
+def clear_earlier_demo(workdir: Path) -> None:
+    """Remove an earlier demo's peer files from ``workdir`` (never resumed, never mixed into this summary):
+    only what a demo writes (:data:`DEMO_FILE`), so a user's own files there stay."""
+    for old in workdir.glob("peer*"):
+        if not DEMO_FILE.fullmatch(old.name):
+            continue
+        if old.is_dir():
+            shutil.rmtree(old)
+        else:
+            old.unlink()
+
+
 def run_demo(
     cfg: ExperimentConfig, *, peers: int, workdir: Path, config_path: Path | None, sets: list[str]
 ) -> dict[str, Any]:
@@ -37,12 +54,10 @@ def run_demo(
     t0 = time.monotonic()
     run_id = f"demo-{uuid.uuid4().hex[:8]}"  # a fresh run: never mix with an earlier demo's records
     workdir = Path(workdir)
+    if workdir.exists() and not workdir.is_dir():
+        raise DemoError(f"--workdir {workdir}: is a file, not a folder")
     workdir.mkdir(parents=True, exist_ok=True)
-    for old in workdir.glob("peer*"):  # an earlier demo's files: never resumed, never mixed into this summary
-        if old.is_dir():
-            shutil.rmtree(old)
-        else:
-            old.unlink()
+    clear_earlier_demo(workdir)
     threads = cfg.device.num_threads or max(1, (os.cpu_count() or 1) // peers)
     base = ["join", "--host-maddrs", LOOPBACK, "--log-format", "json"]
     if cfg.swarm.key_file is None:  # a closed swarm, as a real one should be: only these peers hold the key

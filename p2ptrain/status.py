@@ -70,8 +70,9 @@ def render(summary: dict[str, Any]) -> str:
     from rich.console import Console
     from rich.table import Table
 
+    at = f"round {summary['round']}" if summary["round"] >= 0 else "no round yet"
     head = (
-        f"run {summary['run_id']}: {len(summary['peers'])} live peer(s), round {summary['round']}, "
+        f"run {summary['run_id']}: {len(summary['peers'])} live peer(s), {at}, "
         f"{summary['samples_per_s']:.1f} samples/s in total, {summary['samples_total']:,} samples and "
         f"{_duration(summary.get('compute_s', 0.0))} of compute so far"
     )

@@ -26,6 +26,7 @@ import asyncio
 import contextlib
 import dataclasses
 import os
+import re
 import tempfile
 import threading
 import time
@@ -150,25 +151,34 @@ def create_dht(
     )
     identity_file = identity_file if identity_file is not None else cfg.identity_path
     if identity_file is not None:
+        if not fresh_identity and Path(identity_file).exists():
+            _identity(
+                Path(identity_file), Path(identity_file).parent
+            )  # a bad file, named, before p2pd says less
         kwargs["identity_path"] = str(identity_file)
         kwargs["check_if_identity_free"] = not fresh_identity
     dht = WatchedDHT(**kwargs)
     dht.start()
-    keyed = " (do they hold this swarm's swarm.key_file?)" if authorizer is not None else ""
+    # A node of a closed swarm drops whoever lacks its key as if nobody were there: either may be the cause.
+    hint = (
+        " (do they hold this swarm's swarm.key_file? or nobody answers there: the swarm may have ended, or the "
+        "address is wrong or unreachable)"
+        if authorizer is not None
+        else _GONE[:-1] + "; or the swarm is closed and this peer lacks its key: --key-file)"
+    )
     try:
         dht.wait_until_ready(timeout=cfg.bootstrap_timeout_s)
     except TimeoutError:
         stop_dht(dht)
         raise SwarmError(
-            f"no initial peer answered within {cfg.bootstrap_timeout_s:.0f}s: {', '.join(initial_peers)}"
-            f"{keyed or _GONE}"
+            f"no initial peer answered within {cfg.bootstrap_timeout_s:.0f}s: {', '.join(initial_peers)}{hint}"
         ) from None
     except Exception as e:
         stop_dht(dht)
-        reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        reason = _reason(e)
         if initial_peers:
             raise SwarmError(
-                f"could not join the swarm through {', '.join(initial_peers)}: {reason}{keyed or _GONE}"
+                f"could not join the swarm through {', '.join(initial_peers)}: {reason}{hint}"
             ) from None
         raise SwarmError(f"could not start the DHT: {reason}") from None
     if authorizer is None:
@@ -181,6 +191,17 @@ def create_dht(
 
 
 _GONE = " (nobody answers there: the swarm may have ended, or the address is wrong or unreachable)"
+
+
+def _reason(error: Exception) -> str:
+    """hivemind's error as a user's line: its last line, without p2pd's timestamp or advice for hivemind's
+    own callers (``ensure_bootstrap_success``, which no p2ptrain setting reaches)."""
+    text = str(error).strip()
+    if not text:
+        return type(error).__name__
+    line = text.splitlines()[-1]
+    line = re.sub(r"\d{4}/\d{2}/\d{2} \d{2}:\d{2}:\d{2}(\.\d+)? ", "", line)
+    return re.sub(r"\s*\(set ensure_bootstrap_success=False to ignore\)", "", line).strip()
 
 
 def stop_dht(dht: hivemind.DHT) -> None:

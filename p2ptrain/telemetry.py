@@ -14,6 +14,7 @@ watched from one place, and no dashboard query mixes a node that does not train 
 from __future__ import annotations
 
 import platform
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -32,6 +33,7 @@ from prometheus_client import (
 )
 from prometheus_client.core import GaugeMetricFamily
 
+from p2ptrain.config import ConfigError
 from p2ptrain.logs import get_logger
 from p2ptrain.records import PeerState, ProgressRecord, global_round
 
@@ -255,8 +257,18 @@ for _state in PEER_STATES:
 def serve(port: int, host: str = "127.0.0.1", registry: CollectorRegistry = REGISTRY) -> None:
     """Serve ``registry`` at /metrics on ``host:port`` from a daemon thread (a peer: :data:`REGISTRY`; the
     bootstrap node: :data:`NODE`). Start it after hivemind's children have forked (a forked child would
-    inherit the listening socket)."""
-    start_http_server(port, addr=host, registry=registry)
+    inherit the listening socket).
+
+    Raises:
+        ConfigError: nothing can listen there (the port is taken, the host is not this machine's).
+    """
+    try:
+        start_http_server(port, addr=host, registry=registry)
+    except OSError as e:  # socket.gaierror too: a host that does not resolve
+        fix = "set metrics.host" if isinstance(e, socket.gaierror) else "pick another with --metrics-port"
+        raise ConfigError(
+            f"metrics.port {port} on metrics.host {host}: cannot serve metrics there ({e.strerror or e}); {fix}"
+        ) from None
 
 
 def set_peer_info(**fields: str) -> None:

@@ -158,3 +158,66 @@ def test_data_prepare_writes_a_folder_a_config_trains_on_and_bad_sources_are_one
     unprepared = run("config", "show", "--set", "data.source=prepared", "--set", f"data.path={tmp_path}")
     assert unprepared.returncode == 2
     assert len(one_line_error(unprepared)) == 1 and "no manifest.json" in unprepared.stderr
+
+
+def test_a_joiners_own_bad_flags_are_refused_before_it_asks_the_swarm():
+    # Without --config the joiner takes the swarm's experiment; its own flags are checked first, so a typo
+    # is one line at once, not an unreachable swarm (nobody listens here) or a DHT started for nothing.
+    nobody = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWGPqLr56TyMWzcrRrD7qKoFtiSXvqtQdMqXhirUxDGfgh"
+    out = run("join", "--initial-peers", nobody, "--device", "tpu", "--set", "inner.lr=abc")
+    assert out.returncode == 2
+    lines = one_line_error(out)
+    assert len(lines) == 2 and {line.split(":")[2].strip() for line in lines} == {
+        "device.kind",
+        "inner.lr",
+    }, lines
+    assert not any("swarm" in line for line in lines), lines
+
+
+def test_output_paths_are_refused_before_the_work_that_ends_in_them(tmp_path):
+    folder, file = tmp_path / "folder", tmp_path / "file.yaml"
+    folder.mkdir()
+    file.write_text("mine\n")
+    cases = [
+        (
+            ("eval", str(tmp_path / "model.safetensors"), "--plot", str(folder)),
+            f"--plot {folder}: cannot write",
+        ),
+        (("eval", str(folder)), f"{folder}: is a folder"),
+        (("demo", "--peers", "1", "--workdir", str(file)), f"--workdir {file}: is a file"),
+        (("demo", "--peers", "1", "--summary-json", str(folder)), f"--summary-json {folder}: cannot write"),
+        (("export", str(tmp_path / "model.safetensors"), "--out", str(file)), f"--out {file}: is a file"),
+        (("data", "prepare", str(file), "--out", str(file)), f"--out {file}: is a file"),
+    ]
+    for args, expected in cases:
+        out = run(*args)
+        assert out.returncode == 2, (args, out.stderr)
+        assert len(one_line_error(out)) == 1, (args, out.stderr)
+        assert one_line_error(out)[0].startswith(f"error: {expected}"), (args, out.stderr)
+    assert file.read_text() == "mine\n"
+
+
+def test_a_demo_clears_only_its_own_earlier_files(tmp_path):
+    from p2ptrain.demo import clear_earlier_demo
+
+    (tmp_path / "peer0").mkdir()
+    (tmp_path / "peer0" / "final.safetensors").write_text("x")
+    (tmp_path / "peer12.log").write_text("x")
+    mine = [tmp_path / "peers.txt", tmp_path / "peer-review.md", tmp_path / "peer3.log.bak"]
+    for path in mine:
+        path.write_text("a user's own")
+    clear_earlier_demo(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in mine)
+
+
+def test_hiveminds_errors_reach_the_user_without_p2pds_timestamp_or_advice_for_hivemind_callers():
+    from p2ptrain.swarm import _reason
+
+    raw = "P2PDaemonError('Daemon failed to start: 2026/12/05 17:05:07 invalid p2p multiaddr')"
+    assert _reason(Exception(raw)) == "P2PDaemonError('Daemon failed to start: invalid p2p multiaddr')"
+    said = (
+        "Traceback ...\nRuntimeError: none of the initial_peers responded to a ping. "
+        "(set ensure_bootstrap_success=False to ignore)"
+    )
+    assert _reason(Exception(said)) == "RuntimeError: none of the initial_peers responded to a ping."
+    assert _reason(TimeoutError()) == "TimeoutError"

@@ -2,7 +2,14 @@ import re
 
 import pytest
 
-from p2ptrain.config import ConfigError, ExperimentConfig, load_config, parse_set, reference_markdown
+from p2ptrain.config import (
+    ConfigError,
+    ExperimentConfig,
+    check_fields,
+    load_config,
+    parse_set,
+    reference_markdown,
+)
 from tests.conftest import ROOT
 
 
@@ -219,3 +226,47 @@ def test_no_release_changes_or_drops_a_default_of_the_training_sections():
     assert not added, (
         f"new fields {added}: add them to tests/released_defaults.json (their defaults are released from then on)"
     )
+
+
+def test_a_list_from_the_environment_that_is_not_json_is_one_line_naming_the_variable(monkeypatch):
+    monkeypatch.setenv("P2PTRAIN_SWARM__INITIAL_PEERS", "/ip4/127.0.0.1/tcp/1/p2p/12D3KooWGPqLr56T")
+    with pytest.raises(ConfigError) as e:
+        load_config(None)
+    assert str(e.value).startswith("environment variable P2PTRAIN_SWARM__INITIAL_PEERS: give JSON, e.g. ")
+    assert "\n" not in str(e.value)
+    monkeypatch.delenv("P2PTRAIN_SWARM__INITIAL_PEERS")
+    monkeypatch.setenv("P2PTRAIN_INNER__BETAS", "[0.9")
+    with pytest.raises(
+        ConfigError, match=r"^environment variable P2PTRAIN_INNER__BETAS: give JSON, .*'\[0.9'"
+    ):
+        check_fields({})
+
+
+def test_an_environment_variable_that_would_be_ignored_is_refused(monkeypatch):
+    monkeypatch.setenv("P2PTRAIN_WIRETAP", "/tmp/x")  # not a config variable (the bench's), and no typo
+    assert load_config(None).inner.lr == ExperimentConfig().inner.lr
+    monkeypatch.setenv("P2PTRAIN_INNR__LR", "0.1")
+    with pytest.raises(ConfigError, match=r"^environment variable P2PTRAIN_INNR__LR: no section 'innr'"):
+        load_config(None)
+    monkeypatch.delenv("P2PTRAIN_INNR__LR")
+    monkeypatch.setenv("P2PTRAIN_INNER_LR", "0.1")
+    with pytest.raises(ConfigError, match=r"two underscores: P2PTRAIN_INNER__LR$"):
+        load_config(None)
+
+
+def test_infinite_values_and_initial_peers_without_a_peer_id_are_refused():
+    with pytest.raises(ConfigError, match=r"^command line: inner.lr: Input should be a finite number"):
+        load_config(None, parse_set(["inner.lr=.inf"]))
+    with pytest.raises(ConfigError, match=r"'/ip4/127.0.0.1/tcp/31337' has no /p2p/<peer id> part"):
+        load_config(None, {"swarm": {"initial_peers": ["/ip4/127.0.0.1/tcp/31337"]}})
+
+
+def test_check_fields_refuses_a_fields_own_problems_and_leaves_checks_between_fields_to_the_config():
+    with pytest.raises(ConfigError) as e:
+        check_fields({"device": {"kind": "tpu"}, "inner": {"lrr": 1}, "metrics": {"port": 99999}})
+    lines = str(e.value).splitlines()
+    assert len(lines) == 3 and all(line.startswith("command line: ") for line in lines), lines
+    # Wrong against the defaults, maybe right against the swarm's experiment that it joins: not refused here.
+    check_fields({"swarm": {"linger_s": 30}})
+    with pytest.raises(ConfigError, match="swarm.linger_s"):
+        load_config(None, {"swarm": {"linger_s": 30}})

@@ -60,7 +60,7 @@ def test_keygen_command_refuses_to_overwrite_in_one_line(tmp_path):
     again = subprocess.run(
         [sys.executable, "-m", "p2ptrain", "keygen", str(path)], capture_output=True, text=True
     )
-    assert again.returncode == 1
+    assert again.returncode == 2
     assert again.stderr.strip().splitlines() == [
         f"error: {path} already exists; a swarm key is never overwritten"
     ]

@@ -45,7 +45,7 @@ def test_status_shows_each_peers_device_benchmark_and_what_it_contributed():
 def test_empty_swarm_is_said_plainly():
     summary = summarize("run-y", {})
     assert summary["peers"] == [] and summary["round"] == -1
-    assert render(summary).startswith("run run-y: 0 live peer(s)")
+    assert render(summary).startswith("run run-y: 0 live peer(s), no round yet,")
 
 
 def test_a_verifiable_run_shows_each_peers_shard_trust_strikes_and_bans_as_the_records_report_them():

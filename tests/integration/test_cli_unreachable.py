@@ -35,3 +35,6 @@ def test_unreachable_initial_peer_is_a_clear_error_not_a_hang(tmp_path):
     errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
     assert errors and "could not join the swarm through" in errors[0] and nobody in errors[0]
     assert "the swarm may have ended" in errors[0]
+    # Both causes a user can act on (a node of a closed swarm answers a keyless peer as nobody would), and
+    # none of hivemind's advice to its own callers.
+    assert "--key-file" in errors[0] and "ensure_bootstrap_success" not in errors[0]

@@ -223,3 +223,21 @@ def test_metrics_status_and_logs_of_a_two_peer_swarm(tmp_path, spawn):
             {"round", "train_loss", "samples", "group_size", "bytes_sent", "duration_s"} <= e.keys()
             for e in steps
         )
+
+
+def test_metrics_on_a_taken_port_or_an_unknown_host_are_one_line_naming_the_setting():
+    from prometheus_client import CollectorRegistry
+
+    from p2ptrain import telemetry
+    from p2ptrain.config import ConfigError
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(
+            ConfigError, match=rf"^metrics.port {port} on metrics.host 127.0.0.1: cannot serve"
+        ):
+            telemetry.serve(port, "127.0.0.1", registry=CollectorRegistry())
+    with pytest.raises(ConfigError, match=r"metrics.host 999.1.1.1: cannot serve .*; set metrics.host$"):
+        telemetry.serve(free_port(), "999.1.1.1", registry=CollectorRegistry())
