@@ -82,6 +82,13 @@ def credible(others: Records, my_round: int) -> dict[str, ProgressRecord]:
     }
 
 
+def unsettled(me: Me, others: Records) -> bool:
+    """Peers hold params of a round past ours, yet none of them credibly (:func:`credible`): the swarm read
+    mid-outer-step (one peer has published its step, its groupmates not yet), or a dead peer's record that
+    lingers. A newcomer that decided on such a reading would see nobody ahead and train a round alone."""
+    return _past(me, others) and not _past(me, credible(others, me.round))
+
+
 def vouched(others: Records, round: int, params_hash: str) -> bool:
     """Whether peers vouch for holding ``params_hash`` in ``round``: two of them, or the only other holder."""
     return _vouching(others)(round, params_hash)

@@ -106,6 +106,8 @@ class Injector:
         self.group_failures: set[int] = set()  # rounds whose all-reduce fails for every member
         self.member_failures: dict[tuple[str, int], float] = {}  # (peer, round): attempts left to fail
         self.refuse_donations: set[str] = set()  # peers that never serve their state
+        # Peers whose next readings of the swarm (this many of them by the trainer) catch it mid-outer-step.
+        self.split_reads: dict[str, int] = {}
         # Peers that send something else than their pseudo-gradient (a hostile insider): what they send.
         self.tamper: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
 
@@ -137,6 +139,27 @@ class Injector:
             if left > 0:
                 self.member_failures[(peer, round)] = left - 1
             return left > 0
+
+    def seen_by(
+        self, peer: str, records: dict[str, ProgressRecord], *, trainer: bool
+    ) -> dict[str, ProgressRecord]:
+        """What ``peer`` reads of ``records``: with :attr:`split_reads` pending, the swarm as it is while two
+        groupmates straddle an outer step (the first has published its next round, the other not yet).
+        Only the trainer's readings count down, so that its decisions, not the heartbeat's, meet the split."""
+        with self._lock:
+            left = self.split_reads.get(peer, 0)
+            if left <= 0:
+                return records
+            if trainer:
+                self.split_reads[peer] = left - 1
+        holders = [r for r in records.values() if r.holds_params]
+        if not holders:
+            return records
+        first = max(holders, key=lambda r: (r.round, r.peer_id))
+        return {
+            **records,
+            first.peer_id: first.copy(update={"round": first.round + 1, "params_hash": "f" * 16}),
+        }
 
     def take(self, peer: str, point: Point, round: int) -> Fault | None:
         with self._lock:
@@ -257,7 +280,7 @@ class MemoryBoard:
             peer.records_after_done += 1
             if peer.records_after_done == 2:  # finish() read the swarm once and wrote final.safetensors
                 peer.hit(Point.FINISHED, peer.status["round"])
-        return self._read()
+        return self._read(trainer=True)
 
     def wait_for_news(self, timeout_s: float) -> None:
         self._peer.check_alive()
@@ -273,8 +296,8 @@ class MemoryBoard:
     def carry_experiment(self, record: ExperimentRecord) -> None:
         self._peer.swarm.carry(self._peer.peer_id, record)
 
-    def _read(self) -> dict[str, ProgressRecord]:
-        records = self._peer.swarm.read()
+    def _read(self, *, trainer: bool = False) -> dict[str, ProgressRecord]:
+        records = self._peer.swarm.injector.seen_by(self._peer.name, self._peer.swarm.read(), trainer=trainer)
         for observe in self._subscribers:  # as swarm.Swarm: every reading reaches its subscribers
             observe(records)
         return records

@@ -72,6 +72,18 @@ def test_memory_counts_only_credible_claims_ahead():
     assert memory.highest_round == 10 and memory.swarm_finished
 
 
+def test_a_reading_mid_outer_step_is_unsettled_and_a_settled_one_is_not():
+    newcomer = me(round=0)
+    # a published its step into round 4, b is still averaging round 3: neither is credible alone.
+    split = table(rec("a", 4, h="bb"), rec("b", 3, state="averaging", h="aa"))
+    assert protocol.unsettled(newcomer, split)
+    assert not protocol.unsettled(newcomer, table(rec("a", 4, h="bb"), rec("b", 4, h="bb")))  # both stepped
+    assert not protocol.unsettled(newcomer, table(rec("a", 3, h="aa"), rec("b", 3, state="averaging")))
+    assert not protocol.unsettled(newcomer, table(rec("a", 4, h="bb")))  # the only other holder
+    assert not protocol.unsettled(me(round=4), split)  # nobody past us
+    assert not protocol.unsettled(newcomer, {})
+
+
 # --- catching up
 
 

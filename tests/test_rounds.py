@@ -512,6 +512,28 @@ def test_a_newcomer_whose_donor_dies_mid_transfer_refuses_the_truncated_state_an
     assert loads and loads[0][1] >= 2 and all(r >= 2 for r in applied), (loads, applied)
 
 
+def test_a_newcomer_that_reads_the_swarm_mid_outer_step_waits_for_it_to_settle_and_never_trains_alone(
+    tmp_path,
+):
+    # Found under load: a newcomer whose first readings met a and b straddling an outer step (a published
+    # its next round, b not yet: neither is credible alone) saw nobody ahead, trained round 0 in a world of
+    # 1 and applied it. It now waits for a reading that settles before it decides anything.
+    injector = Injector()
+    swarm = MemorySwarm(injector)
+    rounds = {"outer": {"num_rounds": 6}, "averaging": {"target_group_size": 3}}
+    peers = start(swarm, tmp_path, ["a", "b"], **rounds)
+    peers["a"].wait_until(lambda t: t.round >= 2)
+    injector.split_reads["c"] = 5
+    injector.stall_at("c", Point.INNER, round=0, seconds=0.01)  # a marker: it fires if c trains round 0
+    peers["c"] = PeerThread(swarm, "c", fast_config(tmp_path, "c", **rounds))
+    finish(peers)
+    assert_swarm_contract(tmp_path, peers, ["a", "b", "c"])
+    assert injector.split_reads["c"] == 0  # c did read the split, all of it
+    assert ("c", Point.INNER, 0) not in injector.fired, "c trained round 0 while the swarm was ahead"
+    loads, applied = peers["c"].trainer.loads, peers["c"].trainer.rounds_applied
+    assert loads and loads[0][1] >= 2 and all(r >= 2 for r in applied), (loads, applied)
+
+
 def test_a_peer_whose_last_sync_fails_takes_the_final_state_from_a_finished_peer(tmp_path):
     injector = Injector()
     injector.fail_allreduce(round=3, peer="b")  # b alone misses the last average; a finishes
