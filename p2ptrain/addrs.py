@@ -36,7 +36,7 @@ def parse_multiaddr(value: str) -> Multiaddr:
 def check_peer_maddr(value: str) -> None:
     """Raise ``ValueError`` unless ``value`` names a peer (``/p2p/<peer id>``): libp2p dials a peer, not an
     address, and without its id refuses the address only once the daemon is up."""
-    if "/p2p/" not in value:
+    if "/p2p/" not in value and "/ipfs/" not in value:  # /ipfs/ is libp2p's older name for /p2p/
         raise ValueError(
             f"{value!r} has no /p2p/<peer id> part: give the whole address a peer prints, e.g. "
             "/ip4/203.0.113.5/tcp/31337/p2p/12D3Koo..."

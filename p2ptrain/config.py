@@ -336,10 +336,10 @@ class VerificationConfig(_Section):
 
 class SwarmConfig(_Section):
     initial_peers: list[str] = []
-    """Multiaddrs of peers already in the swarm, e.g. /ip4/203.0.113.5/tcp/31337/p2p/12D3Koo...
-    Empty: start a new swarm."""
+    """Multiaddrs of peers already in the swarm, each with its peer id, e.g.
+    /ip4/203.0.113.5/tcp/31337/p2p/12D3Koo... (as a peer prints it). Empty: start a new swarm."""
     initial_peers_file: Path | None = None
-    """Also read initial peers from this file (one multiaddr per line), waiting up to
+    """Also read initial peers from this file (one multiaddr with its /p2p/ peer id per line), waiting up to
     swarm.bootstrap_timeout_s for it to appear: `p2ptrain dht --maddrs-file` writes it (docker-compose)."""
     host_maddrs: list[str] = ["/ip4/0.0.0.0/tcp/0"]
     """Addresses to listen on. The default listens on all interfaces at a random port; pin a port
@@ -928,9 +928,14 @@ def check_environment() -> None:
                 f"environment variable {name}: no section {field[0]!r} (the sections: {', '.join(sections)})"
             )
         elif field is None and (head := rest.lower().partition("_"))[0] in sections and head[2]:
-            problems.append(
-                f"environment variable {name}: a section and its key are joined by two underscores: "
+            keys = list(getattr(ExperimentConfig.model_fields[head[0]].annotation, "model_fields", {}))
+            fix = (
                 f"{ENV_PREFIX}{head[0].upper()}__{head[2].upper()}"
+                if head[2] in keys
+                else f"{ENV_PREFIX}{head[0].upper()}__<KEY>, a key of {', '.join(keys)}"
+            )
+            problems.append(
+                f"environment variable {name}: a section and its key are joined by two underscores: {fix}"
             )
     if problems:
         raise ConfigError("\n".join(problems))
@@ -956,7 +961,9 @@ def _environment_problem(error: SettingsError) -> str:
         try:
             json.loads(value)
         except ValueError:
-            example = info.default or ["/ip4/203.0.113.5/tcp/31337/p2p/12D3Koo..."]
+            example = info.default or [
+                "/ip4/203.0.113.5/tcp/31337" + ("/p2p/12D3Koo..." if field[1] == "initial_peers" else "")
+            ]
             return (
                 f"environment variable {name}: give JSON, e.g. {name}='{json.dumps(example)}' (got {value!r})"
             )

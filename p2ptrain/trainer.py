@@ -592,15 +592,6 @@ class Trainer:
             deadline = time.monotonic() + 2 * cfg.heartbeat_s + 1
             while time.monotonic() < deadline and not self._others() and not self.stop.is_set():
                 time.sleep(self._poll_s)
-        # Our first decisions (catch up or train, the roster, the barrier) must not come from a reading of
-        # the swarm mid-outer-step, where no peer ahead is credible: wait for one that settles, at most one
-        # record lifetime (a dead peer's record is gone by then, and a lone liar costs us that, once).
-        deadline = time.monotonic() + cfg.record_ttl_s
-        if protocol.unsettled(self.me(), self._others()):
-            self.log.info("the swarm's records disagree on its round; waiting for them to settle")
-            while time.monotonic() < deadline and not self.stop.is_set():
-                if not protocol.unsettled(self.me(), self._others()) or self.stop.wait(self._poll_s):
-                    break
         if cfg.min_peers > 1:
             deadline = time.monotonic() + cfg.min_peers_timeout_s
             self.log.info("waiting for peers", min_peers=cfg.min_peers)
@@ -614,6 +605,21 @@ class Trainer:
                     waiting.update("waiting for peers", present=present, min_peers=cfg.min_peers)
                     if self.stop.wait(self._poll_s):
                         break
+        # Our first decisions (catch up or train, the roster, the barrier) must not come from a reading of
+        # the swarm mid-outer-step, where no peer ahead is credible: wait for one that settles, at most one
+        # record lifetime (a dead peer's record is gone by then, and a lone liar costs us that, once).
+        if protocol.unsettled(self.me(), self._others()):
+            self.log.info("the swarm's records disagree on its round; waiting for them to settle")
+            deadline = time.monotonic() + cfg.record_ttl_s
+            while protocol.unsettled(self.me(), self._others()):
+                if time.monotonic() > deadline:
+                    self.log.warning(
+                        "the swarm's records did not settle; going on without the claims nobody vouches for",
+                        waited_s=cfg.record_ttl_s,
+                    )
+                    break
+                if self.stop.wait(self._poll_s):
+                    break
 
     def pause_while_asked(self) -> None:
         """While the schedule says so (the machine is busy, on battery, or outside its hours), sit out as

@@ -252,6 +252,10 @@ def test_an_environment_variable_that_would_be_ignored_is_refused(monkeypatch):
     monkeypatch.setenv("P2PTRAIN_INNER_LR", "0.1")
     with pytest.raises(ConfigError, match=r"two underscores: P2PTRAIN_INNER__LR$"):
         load_config(None)
+    monkeypatch.delenv("P2PTRAIN_INNER_LR")
+    monkeypatch.setenv("P2PTRAIN_RUN_ID", "x")  # run.run_id is P2PTRAIN_RUN__RUN_ID; run.id is no key
+    with pytest.raises(ConfigError, match=r"two underscores: P2PTRAIN_RUN__<KEY>, a key of run_id, seed$"):
+        load_config(None)
 
 
 def test_infinite_values_and_initial_peers_without_a_peer_id_are_refused():
