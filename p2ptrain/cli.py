@@ -129,7 +129,7 @@ def writable(path: Path | None, flag: str) -> None:
         raise fail(f"{flag} {path}: cannot write it ({e.strerror or e})", EXIT_USAGE) from None
 
 
-def writable_folder(path: Path, flag: str) -> None:
+def output_folder(path: Path, flag: str) -> None:
     """Refuse an output folder that is a file, or cannot be made, before the work that fills it."""
     if path.exists() and not path.is_dir():
         raise fail(f"{flag} {path}: is a file, not a folder", EXIT_USAGE)
@@ -502,8 +502,7 @@ def demo(
     from p2ptrain.demo import DemoError, run_demo
 
     writable(summary_json, "--summary-json")  # now, not after the whole demo has run
-    if workdir.exists() and not workdir.is_dir():
-        raise fail(f"--workdir {workdir}: is a file, not a folder", EXIT_USAGE)
+    output_folder(workdir, "--workdir")
     try:
         summary = run_demo(cfg, peers=peers, workdir=workdir, config_path=config, sets=set_ or [])
     except DemoError as e:
@@ -587,7 +586,7 @@ def export_(
     from p2ptrain.checkpoint import CheckpointError
     from p2ptrain.export import ExportError, export
 
-    writable_folder(out, "--out")
+    output_folder(out, "--out")
     try:
         config = export(checkpoint_path, out)
     except (CheckpointError, ExportError, OSError) as e:
@@ -636,8 +635,7 @@ def data_prepare(
 
     from p2ptrain.prepare import PrepareError, expand_sources, prepare
 
-    if out.exists() and not out.is_dir():
-        raise fail(f"--out {out}: is a file, not a folder", EXIT_USAGE)
+    output_folder(out, "--out")
     try:
         total = sum(s.size() for s in expand_sources(sources, split))
         columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn())

@@ -21,6 +21,7 @@ import hashlib
 import json
 import os
 import re
+import types
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin
@@ -869,13 +870,20 @@ def load_config(
         ConfigError: one line per problem, each naming the field path.
     """
     data = read_yaml(path) if path is not None else (base or {})
-    check_environment()
-    token = _YAML_DATA.set(data)
     try:
-        return ExperimentConfig(**(overrides or {}))
+        return _construct(data, overrides or {})
     except ValidationError as e:
         sources = _Sources(path, data, overrides or {})
         raise ConfigError(format_validation_error(e, source=sources.of)) from None
+
+
+def _construct(data: dict[str, Any], overrides: dict[str, Any]) -> ExperimentConfig:
+    """The config from YAML ``data``, the environment and ``overrides``; a problem with the environment is a
+    ConfigError naming the variable, any other a ValidationError."""
+    check_environment()
+    token = _YAML_DATA.set(data)
+    try:
+        return ExperimentConfig(**overrides)
     except SettingsError as e:
         raise ConfigError(_environment_problem(e)) from None
     finally:
@@ -890,19 +898,13 @@ def check_fields(overrides: dict[str, Any]) -> None:
     Raises:
         ConfigError: one line per problem, each naming the field path and where it was set.
     """
-    check_environment()
-    token = _YAML_DATA.set({})
     try:
-        ExperimentConfig(**overrides)
+        _construct({}, overrides)
     except ValidationError as e:
         # A field's own problem has a field's location; a check between fields has a section's, or none.
         own = [item for item in e.errors() if len(item["loc"]) >= 2 or item["type"] == "extra_forbidden"]
         if own:
             raise ConfigError(format_errors(own, source=_Sources(None, {}, overrides).of)) from None
-    except SettingsError as e:
-        raise ConfigError(_environment_problem(e)) from None
-    finally:
-        _YAML_DATA.reset(token)
 
 
 def _env_field(name: str) -> tuple[str, str] | None:
@@ -942,7 +944,7 @@ def check_environment() -> None:
 
 
 def _is_collection(annotation: Any) -> bool:
-    if get_origin(annotation) in (Union, type(int | None)):
+    if get_origin(annotation) in (Union, types.UnionType):
         return any(_is_collection(arg) for arg in get_args(annotation))
     return get_origin(annotation) in (list, tuple, set, frozenset, dict) or annotation in (list, tuple, dict)
 

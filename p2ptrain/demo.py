@@ -54,8 +54,6 @@ def run_demo(
     t0 = time.monotonic()
     run_id = f"demo-{uuid.uuid4().hex[:8]}"  # a fresh run: never mix with an earlier demo's records
     workdir = Path(workdir)
-    if workdir.exists() and not workdir.is_dir():
-        raise DemoError(f"--workdir {workdir}: is a file, not a folder")
     workdir.mkdir(parents=True, exist_ok=True)
     clear_earlier_demo(workdir)
     threads = cfg.device.num_threads or max(1, (os.cpu_count() or 1) // peers)

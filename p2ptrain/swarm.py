@@ -152,19 +152,20 @@ def create_dht(
     identity_file = identity_file if identity_file is not None else cfg.identity_path
     if identity_file is not None:
         if not fresh_identity and Path(identity_file).exists():
-            _identity(
-                Path(identity_file), Path(identity_file).parent
-            )  # a bad file, named, before p2pd says less
+            # Loaded here for its error, which names the file (p2pd's does not).
+            _identity(Path(identity_file), Path(identity_file).parent)
         kwargs["identity_path"] = str(identity_file)
         kwargs["check_if_identity_free"] = not fresh_identity
     dht = WatchedDHT(**kwargs)
     dht.start()
     # A node of a closed swarm drops whoever lacks its key as if nobody were there: either may be the cause.
-    hint = (
-        " (do they hold this swarm's swarm.key_file? or nobody answers there: the swarm may have ended, or the "
-        "address is wrong or unreachable)"
+    keys = (
+        "do they hold this swarm's swarm.key_file?"
         if authorizer is not None
-        else _GONE[:-1] + "; or the swarm is closed and this peer lacks its key: --key-file)"
+        else "or the swarm is closed and this peer lacks its key: --key-file"
+    )
+    hint = (
+        f" (nobody answers there: the swarm may have ended, or the address is wrong or unreachable; {keys})"
     )
     try:
         dht.wait_until_ready(timeout=cfg.bootstrap_timeout_s)
@@ -188,9 +189,6 @@ def create_dht(
             peer_id=dht.peer_id.to_base58(),
         )
     return dht
-
-
-_GONE = " (nobody answers there: the swarm may have ended, or the address is wrong or unreachable)"
 
 
 def _reason(error: Exception) -> str:
