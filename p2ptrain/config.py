@@ -126,6 +126,13 @@ class DataConfig(_Section):
                 raise ValueError(f"data.path: {self.path} is a directory; give one UTF-8 text file")
             if not self.path.is_file():
                 raise ValueError(f"data.path: no such file: {self.path}")
+            from p2ptrain.prepare import not_utf8_at  # imports nothing of ours
+
+            if (offset := not_utf8_at(self.path)) is not None:
+                raise ValueError(
+                    f"data.path: {self.path} is not UTF-8 text (byte {offset}); data.source 'text' reads a text "
+                    "file (`p2ptrain data prepare` takes JSONL, Parquet and folders of text files)"
+                )
         elif self.source == "prepared":
             from p2ptrain.prepare import Manifest  # imports nothing of ours
 
@@ -335,6 +342,25 @@ class VerificationConfig(_Section):
     peer that does not reveal is left out of the round)."""
 
 
+SWARM_KEY_RE = re.compile(r"^[0-9a-f]{64}$")
+
+
+def read_key_file(path: Path) -> bytes:
+    """The swarm key in ``path``, or ``ValueError`` naming ``swarm.key_file`` and what is wrong. Checked when
+    the config is loaded, so that `p2ptrain config validate` and every command refuse a bad key before they
+    start anything (``membership.read_swarm_key`` reads it for the DHT)."""
+    try:
+        text = path.read_text().strip()
+    except (OSError, UnicodeDecodeError) as e:
+        reason = getattr(e, "strerror", None) or e
+        raise ValueError(f"swarm.key_file {path}: cannot read it ({reason})") from None
+    if not SWARM_KEY_RE.match(text):
+        raise ValueError(
+            f"swarm.key_file {path}: not a swarm key (64 hexadecimal digits: make one with `p2ptrain keygen`)"
+        )
+    return bytes.fromhex(text)
+
+
 class SwarmConfig(_Section):
     initial_peers: list[str] = []
     """Multiaddrs of peers already in the swarm, each with its peer id, e.g.
@@ -412,6 +438,12 @@ class SwarmConfig(_Section):
         for value in values:
             check_peer_maddr(value)
         return values
+
+    @model_validator(mode="after")
+    def _check_key_file(self) -> SwarmConfig:
+        if self.key_file is not None:
+            read_key_file(self.key_file)
+        return self
 
     @model_validator(mode="after")
     def _check_ttl(self) -> SwarmConfig:

@@ -39,12 +39,12 @@ from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 from hivemind.utils.timed_storage import TimedStorage, get_dht_time
 
 from p2ptrain.addrs import SwarmError
+from p2ptrain.config import read_key_file
 from p2ptrain.logs import get_logger
 
 log = get_logger(__name__)
 
 KEY_BYTES = 32
-_KEY_RE = re.compile(r"^[0-9a-f]{64}$")
 _MAX_CLOCK_SKEW_S = 300.0
 """A request signed further from our clock than this is refused (a replay, or a clock that is far off)."""
 _REQUEST, _RESPONSE = b"p2ptrain/dht-request/v1\0", b"p2ptrain/dht-response/v1\0"
@@ -65,17 +65,12 @@ def generate_swarm_key(path: Path) -> None:
 def read_swarm_key(path: Path) -> bytes:
     """The key in ``path``, or :class:`SwarmError` naming ``swarm.key_file`` and what is wrong."""
     try:
-        text = path.read_text().strip()
-    except (OSError, UnicodeDecodeError) as e:
-        reason = getattr(e, "strerror", None) or e
-        raise SwarmError(f"swarm.key_file {path}: cannot read it ({reason})") from None
-    if not _KEY_RE.match(text):
-        raise SwarmError(
-            f"swarm.key_file {path}: not a swarm key (64 hexadecimal digits: make one with `p2ptrain keygen`)"
-        )
+        key = read_key_file(path)
+    except ValueError as e:
+        raise SwarmError(str(e)) from None
     if path.stat().st_mode & 0o077:
         log.warning("the swarm key file is readable by other users of this machine", path=str(path))
-    return bytes.fromhex(text)
+    return key
 
 
 class Throttle:

@@ -48,6 +48,12 @@ class PrepareError(ValueError):
     """A source, tokenizer or prepared folder that cannot be used; the message names it."""
 
 
+class NotUTF8(PrepareError):
+    def __init__(self, path: Path, offset: int):
+        super().__init__(f"source {path}: not UTF-8 text (byte {offset})")
+        self.offset = offset
+
+
 def file_sha256(path: Path) -> str:
     """A file's sha256 (hex), read in 1 MB pieces; cached on its size and mtime, so that a rewritten file is
     read again. Data identities are built from it (``data.corpus_digest``, ``images.images_digest``)."""
@@ -63,6 +69,25 @@ def _file_sha256(path: Path, size: int, mtime_ns: int) -> str:
         while chunk := f.read(1 << 20):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def not_utf8_at(path: Path) -> int | None:
+    """The offset of the first byte of a text file that is not UTF-8, or None when it is all text (a byte
+    corpus trains on anything, but a binary file given as text is a mistake). Read in pieces; cached on the
+    file's size and mtime, as :func:`file_sha256` is."""
+    path = path.resolve()
+    stat = path.stat()
+    return _not_utf8_at(path, stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=64)
+def _not_utf8_at(path: Path, size: int, mtime_ns: int) -> int | None:
+    try:
+        for _ in _text_pieces(path):
+            pass
+    except NotUTF8 as e:
+        return e.offset
+    return None
 
 
 # ------------------------------------------------------------------------------------------ sources
@@ -168,7 +193,7 @@ def _utf8(data: bytes, path: Path, offset: int) -> str:
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise PrepareError(f"source {path}: not UTF-8 text (byte {offset + e.start})") from None
+        raise NotUTF8(path, offset + e.start) from None
 
 
 def _jsonl_documents(path: Path, text_field: str) -> Iterator[Iterable[str]]:

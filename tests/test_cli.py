@@ -53,6 +53,10 @@ def test_config_validate_and_show(tmp_path):
     assert out.returncode == 0 and "num_rounds: 2" in out.stdout and "lr: 0.01" in out.stdout
     bad = run("config", "validate", str(tmp_path / "missing.yaml"))
     assert bad.returncode == 2 and "cannot read config file" in bad.stderr
+    no_key = run("config", "validate", str(good), "--set", f"swarm.key_file={tmp_path / 'swarm.key'}")
+    assert no_key.returncode == 2 and one_line_error(no_key) == [
+        f"error: command line: swarm.key_file {tmp_path / 'swarm.key'}: cannot read it (No such file or directory)"
+    ]
 
 
 def test_unknown_set_key_exits_2():

@@ -170,6 +170,30 @@ def test_a_text_corpus_that_is_a_directory_or_too_small_is_refused_at_validation
     assert load_config(None, {"data": {"source": "text", "path": str(tiny)}}).data.path == tiny
 
 
+def test_a_text_corpus_that_is_not_utf8_is_refused_at_validation_naming_the_byte(tmp_path):
+    binary = tmp_path / "model.bin"
+    binary.write_bytes(b"x" * 300 + bytes([0xFF, 0xFE]) + b"y" * 300)
+    with pytest.raises(ConfigError, match=r"data.path: .*model.bin is not UTF-8 text \(byte 300\)"):
+        load_config(None, {"data": {"source": "text", "path": str(binary)}})
+    binary.write_text("é" * 300)  # the same path rewritten as text: read again, not taken from a cache
+    assert load_config(None, {"data": {"source": "text", "path": str(binary)}}).data.path == binary
+
+
+def test_a_swarm_key_file_that_is_missing_or_not_a_key_is_refused_at_validation(tmp_path):
+    with pytest.raises(
+        ConfigError, match=r"^command line: swarm.key_file .*missing.key: cannot read it \(No such"
+    ):
+        load_config(None, {"swarm": {"key_file": str(tmp_path / "missing.key")}})
+    bad = tmp_path / "bad.key"
+    bad.write_text("hunter2\n")
+    with pytest.raises(
+        ConfigError, match=r"^command line: swarm.key_file .*bad.key: not a swarm key \(64 hexadecimal"
+    ):
+        load_config(None, {"swarm": {"key_file": str(bad)}})
+    bad.write_text("ab" * 32 + "\n")
+    assert load_config(None, {"swarm": {"key_file": str(bad)}}).swarm.key_file == bad
+
+
 def test_metrics_listen_on_this_machine_only_unless_asked():
     assert ExperimentConfig().metrics.host == "127.0.0.1"
 
