@@ -361,10 +361,13 @@ class DiLoCo:
         self.reset_model()
 
     def params_hash(self) -> str:
-        """:func:`tensors_hash` of the master params (cached until they change)."""
+        """:func:`tensors_hash` of the round's global state, master params then outer momentum (what
+        :meth:`state_tensors` returns and a donor serves), cached until they change. Peers of a round compare
+        it (``ProgressRecord.params_hash``): honest ones hold both bit-identical, and a newcomer loads a
+        state only if this hash of all it received is the one they report, momentum included."""
         with self.lock:
             if self._hash is None or self._hash[0] != self._version:
-                self._hash = (self._version, tensors_hash(self.master))
+                self._hash = (self._version, tensors_hash(self.master + self.momentum_buffers()))
             return self._hash[1]
 
 
@@ -386,5 +389,6 @@ def tensors_hash(tensors: Sequence[torch.Tensor]) -> str:
     """A short, exact fingerprint of tensors' bytes (equal hashes: bit-identical params)."""
     h = hashlib.sha256()
     for t in tensors:
-        h.update(t.detach().contiguous().cpu().numpy().tobytes())
+        # As bytes, whatever the dtype (numpy has no bfloat16): a file may hold any.
+        h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
     return h.hexdigest()[:16]

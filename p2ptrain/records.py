@@ -67,7 +67,8 @@ class ProgressRecord(BaseModel):
     state: PeerState
     """See :class:`PeerState`."""
     params_hash: constr(strict=True, regex=r"^[0-9a-f]{0,64}$")  # type: ignore[valid-type]
-    """Short hash of this peer's global params of ``round``: peers of one round must agree on it."""
+    """Short hash of this peer's global params and outer momentum of ``round`` (``DiLoCo.params_hash``):
+    peers of one round must agree on it."""
     samples_round: conint(strict=True, ge=0, le=MAX_COUNT)  # type: ignore[valid-type]
     """Samples processed in this round's inner phase so far."""
     samples_total: conint(strict=True, ge=0, le=MAX_COUNT)  # type: ignore[valid-type]

@@ -265,6 +265,8 @@ class Trainer:
         """Every round whose outer step this peer applied, in order (tests check none is applied twice)."""
         self.loads: list[tuple[str, int]] = []
         """Every state this peer loaded from another: (why, the round it got)."""
+        self.refusals: list[tuple[str, str]] = []
+        """Every donor whose state this peer asked for and did not load: (donor, why)."""
         self.resumed_round: int | None = None
         """The round of the checkpoint this peer resumed from, if it did."""
         self.memory = protocol.SwarmMemory(cfg.outer.num_rounds)
@@ -1583,8 +1585,10 @@ class Trainer:
         Args:
             donors: peer ids to try, in order.
             why: catch_up, rebase or adopt (logged, and kept in ``self.loads``).
-            expect: the params hash the swarm's peers report for that state (:func:`protocol.credible`
-                records): a donor that serves other params is refused, whatever its checksum says.
+            expect: the params hash (of params and outer momentum) the swarm's peers report for the state of
+                round ``round`` (or ``min_round``) (:func:`protocol.credible` records): a donor that serves
+                another state or round is refused, whatever its checksum says, unless the swarm vouches for
+                that one.
             rebase: keep our inner progress (our pseudo-gradient) on top of the new params; otherwise the
                 model restarts from the downloaded params.
             round: accept only a state of this round; min_round: of this round or later.
@@ -1596,6 +1600,7 @@ class Trainer:
             )
             if problem is not None:
                 self.log.warning("refused a state", donor=donor[-8:], reason=problem)
+                self.refusals.append((donor, problem))
                 self.backoff.failed(donor, time.monotonic())
                 continue
             if delta is not None:
@@ -1637,10 +1642,17 @@ class Trainer:
         if isinstance(got, str):
             return got
         meta, tensors = got
-        served = tensors_hash(tensors[: len(self.diloco.master)])
+        # What the swarm's peers report is a hash of params and momentum (DiLoCo.params_hash) in a round: a
+        # donor can get the params from anyone, but not pass off its own momentum or another round number.
+        served, expect_round = tensors_hash(tensors), round if round is not None else min_round
         # The donor may have moved on since we chose it: its newer state is fine if the swarm vouches for it.
-        if served != expect and not protocol.vouched(self._visible(), meta["round"], served):
-            return f"its params hash {served} is not what the swarm's peers report ({expect or 'none'})"
+        if (served, meta["round"]) != (expect, expect_round) and not protocol.vouched(
+            self._visible(), meta["round"], served
+        ):
+            return (
+                f"its state of round {meta['round']} (hash {served}) is not what the swarm's peers report "
+                f"(round {expect_round}, hash {expect or 'none'})"
+            )
         try:
             self.diloco.load_state_tensors(tensors, round=meta["round"])
         except ValueError as e:  # shapes or values that do not fit this model

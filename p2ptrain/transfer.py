@@ -1,7 +1,8 @@
 """State transfer: what a peer serves to a newcomer, and the checks a downloaded state must pass.
 
 A state is the global params and outer momentum of one round (``DiLoCo.snapshot``), with metadata: run
-id, config hash, round, and two checksums. The download itself is the averager's (hivemind streams it);
+id, config hash, round, and a checksum of every tensor (``state_hash``; ``params_hash`` is the same hash,
+named as progress records name it). The download itself is the averager's (hivemind streams it);
 the checks are here, because hivemind hands over a state truncated by a donor that died mid-way without
 any error (seen in tests/integration/test_averaging.py): only the checksum catches it.
 """
@@ -23,12 +24,13 @@ def donation(
 ) -> tuple[dict[str, Any], list[torch.Tensor]]:
     """Metadata and tensors (params, then momentum) that a donor serves for ``snapshot``."""
     tensors = snapshot.params + snapshot.momentum
+    state_hash = tensors_hash(tensors)
     metadata = dict(
         run_id=run_id,
         config_hash=config_hash,
         round=snapshot.round,
-        params_hash=tensors_hash(snapshot.params),
-        state_hash=tensors_hash(tensors),
+        params_hash=state_hash,  # as records report it (DiLoCo.params_hash): of params and momentum
+        state_hash=state_hash,
     )
     return metadata, tensors
 

@@ -26,7 +26,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 from p2ptrain.aggregation import aggregator
 from p2ptrain.compression import Layout, roundtrip, wire_parts
 from p2ptrain.config import ExperimentConfig, load_config
-from p2ptrain.diloco import AverageResult, AveragingFailed
+from p2ptrain.diloco import AverageResult, AveragingFailed, tensors_hash
 from p2ptrain.experiment import Experiment, ExperimentRecord, sign, verified
 from p2ptrain.link import Link
 from p2ptrain.records import PART_DIGEST_BYTES, PeerState, ProgressRecord
@@ -110,6 +110,10 @@ class Injector:
         self.split_reads: dict[str, int] = {}
         # Peers that send something else than their pseudo-gradient (a hostile insider): what they send.
         self.tamper: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
+        # The next state served, whoever serves it, as a hostile donor would change it (its checksum redone);
+        # who served it goes to tampered_donors.
+        self.tamper_donation: Callable[[dict, list], tuple[dict, list]] | None = None
+        self.tampered_donors: list[str] = []
 
     def fail_at(self, peer: str | None, point: Point, round: int | None = None) -> None:
         self._faults.append(Fault(peer, point, round))
@@ -610,6 +614,12 @@ class MemorySwarm:
         if donor.cfg.swarm.client_mode:  # as hivemind's averager: allow_state_sharing = not client_mode
             return None
         metadata, tensors = donor.state_provider()
+        with self._lock:
+            tamper, self.injector.tamper_donation = self.injector.tamper_donation, None
+        if tamper is not None:
+            self.injector.tampered_donors.append(donor.peer_id)
+            metadata, tensors = tamper(dict(metadata), list(tensors))
+            metadata["state_hash"] = tensors_hash(tensors)  # a donor computes its own checksum
         if self.injector.take(donor.name, Point.DONATE, int(metadata["round"])):
             donor.kill()
             return metadata, tensors[: len(tensors) // 2]  # what hivemind hands over from a dead donor

@@ -512,6 +512,37 @@ def test_a_newcomer_whose_donor_dies_mid_transfer_refuses_the_truncated_state_an
     assert loads and loads[0][1] >= 2 and all(r >= 2 for r in applied), (loads, applied)
 
 
+@pytest.mark.parametrize("lie", ["round", "momentum"])
+def test_a_donor_serving_the_swarms_params_under_another_round_or_momentum_is_refused(tmp_path, lie):
+    """A hostile insider serves a newcomer the swarm's real params (anyone can get them), but claims another
+    round, or sends momentum of its own, with a checksum of its own: found by a review, both were loaded
+    (a round far past the run's end, or an outer step that blows the params up). Refused now: the swarm's
+    hash covers the momentum, and the round must be the one it reports."""
+    injector = Injector()
+    swarm = MemorySwarm(injector)
+    rounds = {"outer": {"num_rounds": 6}, "averaging": {"target_group_size": 3}}
+    peers = start(swarm, tmp_path, ["a", "b"], **rounds)
+    peers["a"].wait_until(lambda t: t.round >= 2)
+
+    def tamper(metadata: dict, tensors: list) -> tuple[dict, list]:
+        half = len(tensors) // 2
+        if lie == "round":
+            metadata["round"] = 10**12
+        else:
+            tensors = tensors[:half] + [m * 1e6 + 1.0 for m in tensors[half:]]
+        return metadata, tensors
+
+    injector.tamper_donation = tamper  # the newcomer's first download, whoever serves it
+    peers["c"] = PeerThread(swarm, "c", fast_config(tmp_path, "c", **rounds))
+    finish(peers)
+    assert_swarm_contract(tmp_path, peers, ["a", "b", "c"])
+    [hostile] = injector.tampered_donors
+    trainer = peers["c"].trainer
+    refused = [why for donor, why in trainer.refusals if donor == hostile]
+    assert refused and "is not what the swarm's peers report" in refused[0], trainer.refusals
+    assert trainer.loads and 2 <= trainer.loads[0][1] < 6, trainer.loads
+
+
 def test_a_newcomer_that_reads_the_swarm_mid_outer_step_waits_for_it_to_settle_and_never_trains_alone(
     tmp_path,
 ):
