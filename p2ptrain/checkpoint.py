@@ -48,6 +48,8 @@ class CheckpointError(ValueError):
 
 
 LOCK_FILE = ".peer.lock"
+SUFFIX, TMP_SUFFIX = ".safetensors", ".tmp"
+"""A model file's suffix, and the suffix of the temporary file :func:`save` writes it through."""
 MAX_AUTO_DIRS = 1024
 
 
@@ -104,8 +106,15 @@ class PeerDir:
             holder = os.read(fd, 32).decode(errors="replace").strip()
             os.close(fd)
             return int(holder) if holder.isdigit() else -1
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            # What a writer killed mid-save left (save's temporary files): nobody else writes here now.
+            for stale in path.glob(f"*{SUFFIX}*{TMP_SUFFIX}"):
+                stale.unlink(missing_ok=True)
+        except OSError as e:
+            os.close(fd)
+            raise ConfigError(f"checkpoint.dir {path}: cannot use it ({e.strerror or e})") from None
         _HELD.add(fd)
         return cls(path, fd)
 
@@ -181,7 +190,7 @@ def save(
     }
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=TMP_SUFFIX)
     os.close(fd)
     try:
         save_file(tensors, tmp, metadata=metadata)
@@ -341,7 +350,7 @@ def load_state(model: torch.nn.Module, path: Path, config_hash: str | Collection
             inner[index] = per_param
     try:
         counters = {k: int(v) for k, v in json.loads(loaded.metadata.get("counters", "{}")).items()}
-    except (ValueError, TypeError, AttributeError):
+    except (ValueError, TypeError, AttributeError, OverflowError):  # OverflowError: int(Infinity)
         raise CheckpointError(f"{path}: unreadable counters in its metadata") from None
     return TrainingState(
         round=loaded.round,
@@ -421,7 +430,11 @@ def read_swarm_memory(path: Path, config_hash: str | Collection[str]) -> dict:
 
 def prune(directory: Path, keep_last: int) -> None:
     """Delete periodic checkpoints (round-*.safetensors) beyond the newest ``keep_last``."""
-    periodic = sorted(Path(directory).glob("round-*.safetensors"))
+    # By round, not by name: round-1000000 sorts before round-999999 as text.
+    periodic = sorted(
+        (f for f in Path(directory).glob("round-*.safetensors") if f.stem[len("round-") :].isdigit()),
+        key=lambda f: int(f.stem[len("round-") :]),
+    )
     for old in periodic[: max(0, len(periodic) - keep_last)]:
         old.unlink(missing_ok=True)
 

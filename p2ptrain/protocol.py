@@ -260,9 +260,13 @@ class SwarmMemory:
             self.swarm_finished = self.swarm_finished or saved.get("swarm_finished") is True
             votes = saved.get("final_votes")
             for pid, vote in (votes if isinstance(votes, dict) else {}).items():
-                if isinstance(vote, list) and len(vote) in (2, 3):  # 2: a checkpoint from before `serves`
-                    serves = len(vote) == 2 or vote[2] is not False
-                    self._final_votes.setdefault(str(pid), Vote(str(vote[0]), int(vote[1]), serves))
+                # 2 items: a checkpoint from before `serves`
+                if not (isinstance(vote, list) and len(vote) in (2, 3) and isinstance(vote[0], str)):
+                    continue
+                if not isinstance(vote[1], int) or isinstance(vote[1], bool) or vote[1] < 0:
+                    continue
+                serves = len(vote) == 2 or vote[2] is not False
+                self._final_votes.setdefault(str(pid), Vote(vote[0], vote[1], serves))
 
 
 class BehindState(str, Enum):

@@ -163,6 +163,51 @@ def test_prune_keeps_the_newest_periodic_checkpoints(tmp_path):
     ]
 
 
+def test_prune_goes_by_round_past_a_million_rounds(tmp_path):
+    for r in (999_998, 999_999, 1_000_000):
+        (tmp_path / f"round-{r:06d}.safetensors").write_bytes(b"x")
+    checkpoint.prune(tmp_path, keep_last=2)
+    assert sorted(f.name for f in tmp_path.iterdir()) == [
+        "round-1000000.safetensors",
+        "round-999999.safetensors",
+    ]
+
+
+def test_temporary_files_of_a_save_killed_midway_are_removed_when_the_directory_is_claimed(tmp_path):
+    _, _, _, path = make(tmp_path)
+    stale = tmp_path / "round-000004.safetensorsk3j_x1q.tmp"  # as save's mkstemp names them
+    stale.write_bytes(b"half a checkpoint")
+    other = tmp_path / "notes.tmp"  # not ours: left alone
+    other.write_text("x")
+    held = PeerDir.claim(tmp_path, "run")
+    try:
+        assert not stale.exists() and other.exists() and path.exists()
+    finally:
+        held.release()
+
+
+def test_a_checkpoint_whose_counters_are_not_whole_numbers_is_refused_and_an_older_one_resumed(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    cfg = ExperimentConfig()
+    model, d, opt = _with_inner_optimizer()
+    _inner_steps(model, opt, 1, seed=0)
+    older = tmp_path / "round-000001.safetensors"
+    checkpoint.save(older, model, d, cfg, inner_optimizer=opt, counters={"inner_steps_total": 1})
+    newer = tmp_path / "round-000002.safetensors"
+    with safe_open_metadata(older) as original:
+        crafted = {**original, "counters": '{"inner_steps_total": Infinity}'}
+    save_file(load_file(str(older)), str(newer), metadata=crafted)
+    os.utime(older, (time.time() - 60, time.time() - 60))
+    refused = []
+    restored, d2, opt2 = _with_inner_optimizer(seed=9)
+    got = checkpoint.resume_latest(
+        tmp_path, restored, d2, opt2, cfg.training_hash(), on_refused=lambda p, why: refused.append((p, why))
+    )
+    assert got is not None and got[0] == older and got[1].counters == {"inner_steps_total": 1}
+    assert refused == [(newer, f"{newer}: unreadable counters in its metadata")]
+
+
 @pytest.mark.parametrize(
     "metadata, reason",
     [

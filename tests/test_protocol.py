@@ -190,6 +190,10 @@ def test_memory_survives_a_restart_and_ignores_malformed_parts():
     assert restored.final_votes() == memory.final_votes()
     restored.restore({"highest_round": "x", "final_votes": {"b": "junk"}, "swarm_finished": 1})
     assert restored.highest_round == 6 and len(restored.final_votes()) == 1
+    # Votes whose parts are of the wrong kind were a ValueError that stopped the peer at start.
+    bad = {"c": ["cc", "x"], "d": ["dd", None], "e": [None, 2], "f": ["ff", True], "g": ["aa", -1]}
+    restored.restore({"final_votes": bad})
+    assert len(restored.final_votes()) == 1
     # Whether a finished peer served its params is kept too (a client-mode one did not)...
     client = SwarmMemory(num_rounds=6)
     client.observe(table(rec("c", 6, state="done", h="ee", serves=False)))
