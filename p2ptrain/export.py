@@ -11,13 +11,15 @@ Only Llama-shaped models export: the GPTs of the zoo have no Hugging Face class 
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import tempfile
 from pathlib import Path
 
 from safetensors.torch import save_file
 
 from p2ptrain import checkpoint
-from p2ptrain.models import ZOO, LlamaShape
+from p2ptrain.models import ZOO, LlamaShape, build_model
 from p2ptrain.prepare import END_OF_TEXT, TOKENIZER_FILE, Manifest, PrepareError
 
 
@@ -25,12 +27,17 @@ class ExportError(ValueError):
     """The model file cannot be exported as asked; the message says why."""
 
 
+OUTPUT_FILES = ("config.json", "model.safetensors", TOKENIZER_FILE, "tokenizer_config.json")
+"""What an export writes into its folder; those of an earlier export that this one does not write go."""
+
+
 def export(path: Path, out: Path) -> dict:
-    """Write ``path``'s model into ``out`` (created; files of the same names replaced). Returns config.json.
+    """Write ``path``'s model into ``out`` (created; an earlier export's files there replaced or removed).
+    Returns config.json.
 
     Raises:
-        CheckpointError: not a readable model file.
-        ExportError: not a Llama-shaped model.
+        CheckpointError: not a readable model file, or its params do not match their recorded hash.
+        ExportError: not a Llama-shaped model, or its prepared data is not the run's.
     """
     loaded = checkpoint.load(path)
     cfg = loaded.config
@@ -39,27 +46,48 @@ def export(path: Path, out: Path) -> dict:
         raise ExportError(
             f"{path}: model.name {cfg.model.name} has no Hugging Face class; only llama-* models export"
         )
+    embedding = loaded.params.get("model.embed_tokens.weight")
+    if embedding is None or embedding.dim() != 2:
+        raise ExportError(f"{path}: no token embedding (model.embed_tokens.weight) of model {cfg.model.name}")
+    vocab_size = int(embedding.shape[0])
+    # The checks eval makes: every param of this model, of its shape, matching the file's recorded hash.
+    checkpoint.load_into(
+        build_model(cfg.model.name, cfg.model.context_length, vocab_size=vocab_size), loaded, path
+    )
     params = {name: t.contiguous() for name, t in loaded.params.items()}
-    vocab_size = int(params["model.embed_tokens.weight"].shape[0])
     manifest = _manifest(cfg.data)
+    tokenizer = manifest is not None and manifest.tokenizer == "bpe"
+    if tokenizer and loaded.metadata.get("config_hash") not in cfg.resumable_hashes():
+        raise ExportError(
+            f"{path}: the prepared data at data.path {cfg.data.path} is not what the run trained on (its "
+            "config hash differs): its tokenizer would not be the model's; export from where that folder is"
+        )
     end_of_text = manifest.end_of_text if manifest is not None else None
     config = {
         **hf_config(cfg.model.name, cfg.model.context_length, vocab_size, end_of_text),
         "p2ptrain": {"run_id": cfg.run.run_id, "round": loaded.round, "params_hash": loaded.params_sha256()},
     }
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    save_file(params, str(out / "model.safetensors"), metadata={"format": "pt"})
-    if manifest is not None and manifest.tokenizer == "bpe":
-        assert cfg.data.path is not None
-        shutil.copyfile(Path(cfg.data.path) / TOKENIZER_FILE, out / TOKENIZER_FILE)
-        tokenizer_config = {
-            "tokenizer_class": "PreTrainedTokenizerFast",
-            "eos_token": END_OF_TEXT,
-            "bos_token": END_OF_TEXT,
-            "model_max_length": cfg.model.context_length,
-        }
-        (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
+    # Written beside, then moved in: a failure part-way leaves the earlier export whole, not a mix of two.
+    with tempfile.TemporaryDirectory(dir=out, prefix=".export-") as staging_dir:
+        staging = Path(staging_dir)
+        (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        save_file(params, str(staging / "model.safetensors"), metadata={"format": "pt"})
+        if tokenizer:
+            assert cfg.data.path is not None
+            shutil.copyfile(Path(cfg.data.path) / TOKENIZER_FILE, staging / TOKENIZER_FILE)
+            tokenizer_config = {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "eos_token": END_OF_TEXT,
+                "bos_token": END_OF_TEXT,
+                "model_max_length": cfg.model.context_length,
+            }
+            (staging / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
+        for name in OUTPUT_FILES:
+            if (staging / name).exists():
+                os.replace(staging / name, out / name)
+            else:
+                (out / name).unlink(missing_ok=True)
     return config
 
 

@@ -62,6 +62,55 @@ def test_a_bpe_runs_tokenizer_goes_with_it_and_the_model_generates_text(tmp_path
     assert tokenizer.eos_token_id == manifest.end_of_text
 
 
+def test_a_bpe_model_over_other_prepared_data_is_refused_and_a_byte_export_leaves_no_stale_tokenizer(
+    tmp_path,
+):
+    text = tmp_path / "corpus.txt"
+    text.write_text("the cat sat on the mat. " * 400)
+    manifest = prepare([str(text)], tmp_path / "data", tokenizer="bpe", vocab_size=300)
+    _, path = saved(
+        tmp_path, "llama-nano", manifest.vocab_size, {"source": "prepared", "path": str(tmp_path / "data")}
+    )
+    export(path, tmp_path / "hf")
+    assert (tmp_path / "hf" / "tokenizer.json").exists()
+    # The same folder exported again from a byte-level model: no tokenizer of another model left beside it.
+    (tmp_path / "bytes").mkdir()
+    _, byte_model = saved(tmp_path / "bytes", "llama-nano")
+    export(byte_model, tmp_path / "hf")
+    assert sorted(f.name for f in (tmp_path / "hf").iterdir()) == ["config.json", "model.safetensors"]
+    # The run's prepared folder replaced by another corpus under the same path: its tokenizer is not the model's.
+    text.write_text("a dog ran in the fog. " * 400)
+    prepare([str(text)], tmp_path / "data2", tokenizer="bpe", vocab_size=300)
+    (tmp_path / "data").rename(tmp_path / "data-old")
+    (tmp_path / "data2").rename(tmp_path / "data")
+    with pytest.raises(ExportError, match="is not what the run trained on"):
+        export(path, tmp_path / "hf2")
+
+
+def test_a_corrupted_or_crafted_model_file_is_refused_before_anything_is_written(tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    _, path = saved(tmp_path, "llama-nano")
+    with safe_open(str(path), framework="pt") as f:
+        metadata = dict(f.metadata())
+    tensors = load_file(str(path))
+    tensors["model.norm.weight"] = tensors["model.norm.weight"] + 1.0  # changed after it was hashed
+    save_file(tensors, str(tmp_path / "changed.safetensors"), metadata=metadata)
+    with pytest.raises(checkpoint.CheckpointError, match="do not match their recorded hash"):
+        export(tmp_path / "changed.safetensors", tmp_path / "hf")
+    tensors = load_file(str(path))
+    tensors["model.norm.weight"] = tensors["model.norm.weight"].to(torch.bfloat16)  # was a TypeError
+    save_file(tensors, str(tmp_path / "bf16.safetensors"), metadata=metadata)
+    with pytest.raises(checkpoint.CheckpointError, match="do not match their recorded hash"):
+        export(tmp_path / "bf16.safetensors", tmp_path / "hf")
+    del tensors["model.embed_tokens.weight"]  # was a KeyError
+    save_file(tensors, str(tmp_path / "no-embedding.safetensors"), metadata=metadata)
+    with pytest.raises(ExportError, match="no token embedding"):
+        export(tmp_path / "no-embedding.safetensors", tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
+
+
 def test_a_gpt_is_refused_in_one_line(tmp_path):
     _, path = saved(tmp_path, "gpt-nano")
     with pytest.raises(ExportError, match="model.name gpt-nano has no Hugging Face class; only llama"):
