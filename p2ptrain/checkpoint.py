@@ -225,6 +225,11 @@ def load(path: Path) -> LoadedModel:
     Raises:
         CheckpointError: missing, unreadable, not ours, or its params do not match their recorded hash.
     """
+    return _read(path)[0]
+
+
+def _read(path: Path) -> tuple[LoadedModel, dict[str, torch.Tensor]]:
+    """:func:`load`, and every tensor of the file (its training state too): read once."""
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"{path}: no such file")
@@ -247,7 +252,7 @@ def load(path: Path) -> LoadedModel:
     ):  # a file can come from anyone: check, never int() blindly
         raise CheckpointError(f"{path}: its round is not a whole number ({round_[:40]!r})")
     params = {k: v for k, v in tensors.items() if not k.startswith(_STATE_PREFIXES)}
-    return LoadedModel(config=config, round=int(round_), params=params, metadata=metadata)
+    return LoadedModel(config=config, round=int(round_), params=params, metadata=metadata), tensors
 
 
 MAX_CONFIG_BYTES = 1 << 20
@@ -323,13 +328,12 @@ def load_state(model: torch.nn.Module, path: Path, config_hash: str | Collection
     Raises:
         CheckpointError: unreadable, of another experiment config, or failing its recorded checksums.
     """
-    loaded = load(path)
+    loaded, tensors = _read(path)  # once: a checkpoint holds about five times the params
     if loaded.metadata.get("config_hash") not in _hashes(config_hash):
         raise CheckpointError(
             f"{path}: written by a different experiment config (run, model, data, inner or outer)"
         )
     names = param_names(model)
-    tensors = load_file(str(path))
     missing = [k for n in names for k in (n, MOMENTUM_PREFIX + n) if k not in tensors]
     if missing:
         raise CheckpointError(
