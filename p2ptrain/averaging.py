@@ -36,6 +36,7 @@ import concurrent.futures
 import contextlib
 import math
 import os
+import pickle
 import threading
 import time
 import typing
@@ -47,10 +48,11 @@ from typing import Any
 import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AllreduceException, AllReduceRunner, AveragingMode
+from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.matchmaking import PotentialLeaders
 from hivemind.averaging.partition import TensorPartContainer, TensorPartReducer
 from hivemind.compression.serialization import combine_from_streaming
-from hivemind.p2p import P2PContext, PeerID
+from hivemind.p2p import P2P, P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import MPFuture, get_dht_time
 from hivemind.utils.asyncio import (
@@ -73,6 +75,29 @@ from p2ptrain.verify import Sealed, part_digest, sent_problem, sketch_layout
 log = get_logger(__name__)
 
 _POLL_S = 0.25
+MAX_MESSAGE_BYTES = 16 * 2**20
+"""The largest message read from another peer's stream: hivemind reads whatever length a sender announces,
+before any handler (or ``_admit``) sees the caller, so anyone who can reach a peer could make it buffer
+gigabytes. An averaging message is one part (hivemind's 512 KiB), a 64 KiB piece of a state, or a request."""
+_oversized = Throttle()
+
+
+async def _receive_bounded(reader: asyncio.StreamReader) -> bytes:
+    """``P2P.receive_raw_data`` with :data:`MAX_MESSAGE_BYTES`: a longer message ends the stream unread, as
+    a closed connection does (each side then gives up on that call)."""
+    header = await reader.readexactly(P2P.HEADER_LEN)
+    length = int.from_bytes(header, P2P.BYTEORDER)
+    if length > MAX_MESSAGE_BYTES:
+        if times := _oversized.due():
+            log.warning("refused an oversized message", bytes=length, limit=MAX_MESSAGE_BYTES, times=times)
+        raise asyncio.IncompleteReadError(b"", length)
+    return await reader.readexactly(length)
+
+
+# Every stream message of this process and of the processes it forks (the averager, the DHT) goes through it.
+P2P.receive_raw_data = staticmethod(_receive_bounded)  # type: ignore[method-assign]
+_GRACE_S = 60.0
+"""How long past hivemind's own timeouts a call to the averager process is waited for before it counts as lost."""
 _PIPE_TIMEOUT_S = 30.0
 """How long the trainer waits for the averager child to take a request (it answers in milliseconds)."""
 _MEMBERS_MAX_AGE_S = 10.0
@@ -630,6 +655,46 @@ class _WholeMessages:
         return getattr(self._connection, name)
 
 
+def checked_group(group: GroupInfo, me: PeerID, my_mode: AveragingMode, serializer: Any) -> GroupInfo:
+    """``group`` as we average with it: every member's join data well formed, ours as we sent it, claimed
+    bandwidths dropped and each member's own data cut down to its round.
+
+    The group comes from its leader, a groupmate like any other. Whatever it relays decides how the vector
+    is cut among reducers (hivemind gives a peer that claims more bandwidth a larger share, and none to one
+    in client mode), and reaches the trainer through a pipe. So every member reduces an equal share unless it
+    says it is a client, a leader that misreports our own mode is refused (a leader that demotes every
+    honest member would reduce the whole vector alone: each of them refuses), and what reaches the trainer
+    is flat (deep nesting would fail to cross the pipe and leave the trainer waiting).
+
+    Raises:
+        AllreduceException: a member's data is malformed, or ours is not what we sent.
+    """
+    entries = []
+    for peer, raw in zip(group.peer_ids, group.gathered, strict=True):
+        try:
+            bandwidth, mode_id, user_bytes = serializer.loads(raw)
+            mode = AveragingMode(mode_id)
+            if not isinstance(user_bytes, bytes) or (
+                bandwidth is not None and not isinstance(bandwidth, int | float)
+            ):
+                raise TypeError("not (bandwidth, mode, bytes)")
+        except Exception as e:  # msgpack's and the unpacking's zoo: any of them means a malformed join
+            raise AllreduceException(
+                f"{peer} joined the group with malformed data ({type(e).__name__})"
+            ) from None
+        if peer == me and mode != my_mode:
+            raise AllreduceException(f"the group's leader reports us in mode {mode.name}, not {my_mode.name}")
+        try:
+            user = serializer.loads(user_bytes)
+        except Exception:
+            user = None
+        flat = {"round": user["round"]} if isinstance(user, dict) and type(user.get("round")) is int else {}
+        entries.append(serializer.dumps([None, mode.value, serializer.dumps(flat)]))
+    if all(serializer.loads(e)[1] == AveragingMode.CLIENT.value for e in entries):
+        raise AllreduceException("every member of the group is a client: nobody reduces")
+    return GroupInfo(group.group_id, tuple(group.peer_ids), tuple(entries))
+
+
 class ExactAverager(ParentWatchdog, DecentralizedAverager):
     """hivemind's DecentralizedAverager with exact all-reduce, byte counts, chosen donors, a watchdog, and
     a door: only members of the run may call it.
@@ -910,6 +975,7 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
             raise AllreduceException(
                 f"the group holds {excluded[0]}, whom we left out of round {self._round}"
             )
+        group_info = checked_group(group_info, self.peer_id, self.mode, self.serializer)
         gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
         self._last_allreduce.refused = self._left_out.for_good()
         self._last_allreduce.stalled = self._left_out.for_a_while(self._round)
@@ -977,7 +1043,11 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
         self._outer_pipe.send(
             ("_download_state_from", [], dict(peers=list(peers), timeout=timeout, future=future))
         )
-        return future.result()
+        try:
+            return future.result(timeout=len(peers) * timeout + _GRACE_S)
+        except concurrent.futures.TimeoutError:  # the answer was lost on the way: as if nobody served it
+            log.warning("no answer from the averager about a state download", donors=len(peers))
+            return None
 
     async def _download_state_from(self, peers: list[str], timeout: float, future: MPFuture) -> None:
         try:
@@ -990,9 +1060,17 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
                 except Exception as e:  # donor left, timed out or sent garbage: try the next one
                     log.warning("state download failed", donor=peer_b58, error=repr(e))
                     continue
-                if metadata is not None:
-                    future.set_result((peer_b58, metadata, tensors))
-                    return
+                if metadata is None:
+                    continue
+                try:  # it crosses a pipe: what cannot (deep nesting, a RecursionError) would leave it unsent
+                    pickle.dumps(metadata)
+                except Exception as e:
+                    log.warning(
+                        "state download failed", donor=peer_b58, error=f"unusable metadata ({e!r:.80})"
+                    )
+                    continue
+                future.set_result((peer_b58, metadata, tensors))
+                return
         finally:
             if not future.done():
                 future.set_result(None)
@@ -1105,15 +1183,17 @@ class SwarmAverager:
                 errors.append(f"attempt {attempt + 1}: no group")
                 continue
             gathered = out["gathered"]
-            # What groupmates sent about themselves: never trusted to be well formed.
+            # What groupmates sent about themselves (checked_group cut it down to their round).
             infos = [g if isinstance(g, dict) else {} for g in gathered.values()]
-            rounds = {g.get("round") for g in infos}
+            rounds = {g.get("round") if type(g.get("round")) is int else None for g in infos}
             if rounds != {round}:  # cannot happen with round-keyed groups; never apply a mixed average
                 errors.append(f"attempt {attempt + 1}: groupmates of rounds {sorted(map(str, rounds))}")
                 continue
             with self._averager.get_tensors() as buffers:
                 averaged = self.layout.unpack(buffers)
-            peers = sorted(str(g.get("peer", "?"))[:128] for g in infos)
+            # Who averaged: the group's peer ids (each member's own, as the transport knows it), never the
+            # id a member wrote into its data (one that names another would vouch that it averaged).
+            peers = sorted(p.to_base58() for p in gathered)
             outcome: _Outcome = out["outcome"]
             contributors = [p for p in peers if p not in outcome.dropped]
             step_s = time.monotonic() - t0
@@ -1139,11 +1219,14 @@ class SwarmAverager:
     def _step(self, weight: float, round: int):
         control = self._averager.step(
             weight=float(weight),
-            gather={"round": round, "peer": self.peer_id},
+            gather={"round": round},
             timeout=self.cfg.matchmaking_timeout_s,
             allow_retries=False,
             wait=False,
         )
+        # hivemind ends a step within these; past them (with room for a busy machine) the averager's answer
+        # is lost, and waiting on would hang the round.
+        deadline = time.monotonic() + self.cfg.matchmaking_timeout_s + self.cfg.allreduce_timeout_s + _GRACE_S
         # Poll rather than block, so that SIGINT/SIGTERM can cancel an all-reduce in progress.
         while True:
             try:
@@ -1152,6 +1235,9 @@ class SwarmAverager:
                 if self.stop.is_set():
                     control.cancel()
                     raise _Stopped() from None
+                if time.monotonic() > deadline:
+                    control.cancel()
+                    raise AllreduceException("the averager gave no answer in time") from None
 
     def leave_out(
         self,

@@ -165,6 +165,39 @@ def test_a_peer_without_a_record_is_refused_at_every_averaging_rpc(logs, keyed):
     assert "peer that is not in this run" in logged(logs, "refused an averaging request")
 
 
+def test_a_message_announced_larger_than_any_averaging_message_ends_the_stream_unread(logs, keyed):
+    """hivemind reads whatever length a sender announces, before any handler sees the caller: an outsider
+    announcing 1 TiB could make a peer buffer it all (found by a review: 256 MiB in, the read still went on).
+    The stream now ends at the header, and the peer says so."""
+    _, (first, _), _ = keyed
+
+    async def oversized() -> bytes | None:
+        p2p = await P2P.create(initial_peers=first.visible_maddrs(), host_maddrs=LOOPBACK)
+        try:
+            handle = ExactAverager._get_handle_name("t_diloco", "rpc_join_group")
+            _, reader, writer = await p2p.call_binary_stream_handler(
+                PeerID.from_base58(first.peer_id), handle
+            )
+            writer.write(P2P.MESSAGE_MARKER + (2**40).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER))
+            try:
+                for _ in range(64):  # 4 MiB of it, or until the peer hangs up
+                    writer.write(b"x" * 2**16)
+                    await writer.drain()
+            except (BrokenPipeError, ConnectionResetError):
+                pass
+            try:  # the peer closes the stream: end of file (None if it still reads after 30 s)
+                return await asyncio.wait_for(reader.read(), timeout=30)
+            except ConnectionResetError:
+                return b""
+            except asyncio.TimeoutError:
+                return None
+        finally:
+            await p2p.shutdown()
+
+    assert asyncio.run(oversized()) == b"", "the peer went on reading a message of 1 TiB"
+    assert "bytes=1099511627776" in logged(logs, "refused an oversized message")
+
+
 def test_a_verifiable_rounds_claims_travel_in_the_signed_record(keyed):
     """Seal, nonce, sketch and a referee's report go through the real DHT's schema and signature checks."""
     _, (first, second), _ = keyed
