@@ -129,6 +129,11 @@ def verified(record: ExperimentRecord, publishers: frozenset[str] = frozenset())
         return None
     if not all(isinstance(v, dict) for v in sections.values()):
         return None
+    # Sections of fields, each a value or a list of values: anything nested deeper is not a config (and ~1000
+    # levels of it would overflow the recursion of whoever compares it, at join).
+    fields = [f for v in sections.values() for f in v.values()]
+    if any(isinstance(x, dict | list) for f in fields for x in (f if isinstance(f, list) else [f])):
+        return None
     if sections["run"].get("run_id") != record.run_id:
         return None
     return Experiment(

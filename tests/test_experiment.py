@@ -74,6 +74,28 @@ def test_a_tampered_or_forged_experiment_is_refused(keys):
     assert verified(record.copy(update={"created": record.created + 1})) is None
 
 
+def test_a_signed_experiment_nested_deeper_than_a_config_is_refused(keys):
+    """An insider signs what it likes: ~990 nested mappings in a field made the joiner's comparison overflow
+    its recursion (a traceback at join) instead of refusing the record (found by a review)."""
+    import json
+
+    from p2ptrain.experiment import _signed_bytes
+
+    record = sign(cfg_of(), keys[0])
+    sections = json.loads(record.sections)
+    sections["inner"]["lr"] = "LR"
+    template = json.dumps(sections, separators=(",", ":"), sort_keys=True)
+
+    def signed(value: str):
+        text = template.replace('"LR"', value)
+        signature = keys[0].sign(_signed_bytes(record.run_id, text, record.created))
+        return verified(record.copy(update={"sections": text, "signature": signature}))
+
+    for value in ("{" + '"a":{' * 990 + "}" * 991, "[[1]]", '[{"a":1}]', '{"a":1}'):
+        assert signed(value) is None, value[:20]
+    assert signed("0.5") is not None and signed("[0.5,0.9]") is not None  # values, and lists of them
+
+
 def test_published_counts_the_peers_that_carry_each_experiment(keys):
     mine = sign(cfg_of(), keys[0])
     theirs = sign(cfg_of(**{"inner__lr": 0.2}), keys[2])
