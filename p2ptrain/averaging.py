@@ -69,7 +69,7 @@ from p2ptrain.config import AveragingConfig
 from p2ptrain.diloco import AverageResult, AveragingFailed
 from p2ptrain.logs import bind, get_logger, unbind
 from p2ptrain.membership import Throttle
-from p2ptrain.procs import ParentWatchdog, keep_sigint_handler
+from p2ptrain.procs import ParentWatchdog, WholeMessages, keep_sigint_handler
 from p2ptrain.verify import Sealed, part_digest, sent_problem, sketch_layout
 
 log = get_logger(__name__)
@@ -630,31 +630,6 @@ class LeftOut:
         return sorted(p for p, until in self._until.items() if round < until < math.inf)
 
 
-class _WholeMessages:
-    """The averager child's end of its pipe, read one whole message at a time.
-
-    hivemind's loop watches the pipe with ``add_reader``, which makes it non-blocking, and reads a message
-    once ``poll()`` says one has begun. multiprocessing writes a message over 16 KiB in two writes (its
-    header, then its body): read between the two, it raises BlockingIOError with part of the message
-    consumed, and every later read is garbage (the child's loop dies on it). A verdict's seals for a few
-    peers are that large; reading in blocking mode waits for the rest of a message that has begun.
-    """
-
-    def __init__(self, connection):
-        self._connection = connection
-
-    def recv(self):
-        fd = self._connection.fileno()
-        os.set_blocking(fd, True)
-        try:
-            return self._connection.recv()
-        finally:
-            os.set_blocking(fd, False)
-
-    def __getattr__(self, name: str):
-        return getattr(self._connection, name)
-
-
 def checked_group(group: GroupInfo, me: PeerID, my_mode: AveragingMode, serializer: Any) -> GroupInfo:
     """``group`` as we average with it: every member's join data well formed, ours as we sent it, claimed
     bandwidths dropped and each member's own data cut down to its round.
@@ -834,7 +809,7 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
         unbind("round")  # inherited at fork time; this process does not follow the trainer's rounds
         # Forked before the trainer bound it: say whose lines these are.
         bind(peer_id=self.peer_id.to_base58()[-8:])
-        self._inner_pipe = _WholeMessages(self._inner_pipe)  # type: ignore[has-type]  # hivemind's, untyped
+        self._inner_pipe = WholeMessages(self._inner_pipe)  # type: ignore[has-type]  # hivemind's, untyped
         super().run()
 
     async def _declare_for_download_periodically(self) -> None:

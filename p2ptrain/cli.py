@@ -9,6 +9,7 @@ Errors are one line on stderr, no traceback.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
 import threading
@@ -234,6 +235,33 @@ def install_stop_handlers(stop: threading.Event) -> None:
     signal.signal(signal.SIGTERM, handler)
 
 
+ExitWithParentOpt = Annotated[
+    bool,
+    typer.Option(
+        "--exit-with-parent",
+        hidden=True,
+        help="Stop, as on SIGTERM, when the process that started this one exits (the demo and tests use it).",
+    ),
+]
+
+
+def exit_with_parent() -> None:
+    """Send ourselves SIGTERM (a clean stop, through :func:`install_stop_handlers`) once the process that
+    started us is gone: a demo or test run that is killed takes its peers with it."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        # Our output went to pipes that it read: written to now, they would break the clean stop.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        for fd in (1, 2):
+            os.dup2(devnull, fd)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
 @app.command()
 def join(
     config: ConfigOpt = None,
@@ -252,6 +280,7 @@ def join(
     log_level: LogLevelOpt = None,
     log_format: LogFormatOpt = None,
     metrics_port: MetricsPortOpt = None,
+    with_parent: ExitWithParentOpt = False,
 ) -> None:
     """Train with the swarm. Without --initial-peers, start a new swarm and print the address others join.
     With --initial-peers and no --config, train the experiment the swarm publishes."""
@@ -279,6 +308,8 @@ def join(
 
     stop = threading.Event()
     install_stop_handlers(stop)
+    if with_parent:
+        exit_with_parent()
     clog = logs.get_logger("p2ptrain.cli")
     clog.debug("config", **cfg.model_dump(mode="json"))  # the whole resolved config: `--log-level debug`
     clog.info(
@@ -351,6 +382,7 @@ def dht(
     set_: SetOpt = None,
     log_level: LogLevelOpt = None,
     log_format: LogFormatOpt = None,
+    with_parent: ExitWithParentOpt = False,
 ) -> None:
     """Run a long-lived bootstrap node that does not train. Peers pass its address as --initial-peers.
 
@@ -382,6 +414,8 @@ def dht(
     logs.configure(cfg.log.level, cfg.log.format, run_id=cfg.run.run_id)
     stop = threading.Event()
     install_stop_handlers(stop)
+    if with_parent:
+        exit_with_parent()
     try:
         node = create_dht(cfg.swarm, record_validators=progress_validators(cfg.run.run_id))
     except SwarmError as e:
@@ -422,6 +456,8 @@ def dht(
             monitor.stop()
         if node.is_alive():
             node.shutdown()
+        if maddrs_file is not None:  # a stale address would pass for this node's (compose's healthcheck)
+            maddrs_file.unlink(missing_ok=True)
 
 
 @app.command()

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from p2ptrain.config import ExperimentConfig
-from p2ptrain.localswarm import LOOPBACK, PeerProcess, PeerProcessError
+from p2ptrain.localswarm import LOOPBACK, PeerProcess, PeerProcessError, stop_all
 from p2ptrain.plots import plot_loss
 
 
@@ -145,8 +145,7 @@ def run_demo(
         print("\ninterrupted: stopping the peers", file=sys.stderr)
         raise
     finally:
-        for p in procs:
-            p.stop()
+        stop_all(procs)
 
     per_peer = []
     for i in range(peers):

@@ -99,8 +99,10 @@ class Link:
     averager: PeerAverager
 
     def shutdown(self) -> None:
-        self.averager.shutdown()
-        self.board.shutdown()
+        try:
+            self.averager.shutdown()
+        finally:  # the board (goodbye record, DHT child, p2pd) goes even if the averager's stop failed
+            self.board.shutdown()
 
 
 Connect = Callable[..., Link]

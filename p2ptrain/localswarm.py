@@ -16,7 +16,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -51,18 +51,25 @@ class PeerProcess:
         prefix: list[str] | None = None,
     ):
         self.args, self.log_path, self.index = list(args), Path(log_path), index
+        self._terminated = False
         self.stdout_lines: list[str] = []
         self._events: list[dict[str, Any]] = []
         self._on_event = on_event
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "w")
+        command = list(self.args)
+        if module == "p2ptrain" and command[:1] in (["join"], ["dht"]):
+            command.insert(1, "--exit-with-parent")  # a demo or test that is killed takes it along
         self.proc = subprocess.Popen(
-            [*(prefix or []), sys.executable, "-m", module, *self.args],
+            [*(prefix or []), sys.executable, "-m", module, *command],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
             bufsize=1,
             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+            # Its own session: a Ctrl-C at the terminal reaches only us, and we stop it once, cleanly (it would
+            # take our SIGTERM after the terminal's SIGINT as a second signal and exit without saving).
+            start_new_session=True,
         )
         self._threads = [
             threading.Thread(target=self._read_stdout, daemon=True),
@@ -143,10 +150,16 @@ class PeerProcess:
             t.join(timeout=5)  # the rest of its output
         return code
 
-    def stop(self, grace_s: float = 20.0) -> None:
-        """SIGTERM, then SIGKILL after ``grace_s``. Safe to call twice."""
-        if self.proc.poll() is None:
+    def terminate(self) -> None:
+        """SIGTERM, once: a peer takes a second one as "exit at once, without saving"."""
+        if self.proc.poll() is None and not self._terminated:
+            self._terminated = True
             self.proc.send_signal(signal.SIGTERM)
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        """SIGTERM (unless :meth:`terminate` sent it), then SIGKILL after ``grace_s``. Safe to call twice."""
+        self.terminate()
+        if self.proc.poll() is None:
             try:
                 self.proc.wait(grace_s)
             except subprocess.TimeoutExpired:
@@ -155,6 +168,15 @@ class PeerProcess:
         for t in self._threads:
             t.join(timeout=5)
         self._log.close()
+
+
+def stop_all(procs: Sequence[PeerProcess], grace_s: float = 20.0) -> None:
+    """Stop them together: SIGTERM to each, then one ``grace_s`` for all of them (not one after another)."""
+    for p in procs:
+        p.terminate()
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        p.stop(grace_s=max(0.0, deadline - time.monotonic()))
 
 
 def closed_swarm_join(workdir: Path, config: Path, sets: list[str]) -> tuple[list[str], Path]:
@@ -214,6 +236,5 @@ def run_swarm(
                 first = procs[0].wait_for_maddr(timeout_s=90, prefix=maddr_prefix)
         codes = [p.wait(timeout_s=timeout_s) for p in procs]
     finally:
-        for p in procs:
-            p.stop()
+        stop_all(procs)
     return procs, codes

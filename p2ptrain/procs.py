@@ -55,6 +55,56 @@ class ParentWatchdog:
         threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
 
 
+class WholeMessages:
+    """A hivemind child's end of its pipe (the DHT's, the averager's), read one whole message at a time.
+
+    hivemind's loop watches the pipe with ``add_reader``, which makes it non-blocking, and reads a message
+    once ``poll()`` says one has begun. multiprocessing writes a message over 16 KiB in two writes (its
+    header, then its body): read between the two, it raises BlockingIOError with part of the message
+    consumed, and every later read is garbage (the child's loop dies on it). A verdict's seals for a few
+    peers are that large, and so is a verifiable round's record (its part digests and sketches); reading in
+    blocking mode waits for the rest of a message that has begun.
+    """
+
+    def __init__(self, connection):
+        self._connection = connection
+
+    def recv(self):
+        fd = self._connection.fileno()
+        os.set_blocking(fd, True)
+        try:
+            return self._connection.recv()
+        finally:
+            os.set_blocking(fd, False)
+
+    def __getattr__(self, name: str):
+        return getattr(self._connection, name)
+
+
+class SerialSends:
+    """The parent's end of a hivemind child's pipe, sent to by one thread at a time.
+
+    Threads of the main process (the trainer, the heartbeat, the metrics monitor) call the DHT at once, and
+    a message over 16 KiB goes in two writes: another thread's message between them corrupts the stream.
+    """
+
+    def __init__(self, connection):
+        self._connection = connection
+        self._lock = threading.Lock()
+        # A child forked while another thread held the lock would inherit it held, forever.
+        os.register_at_fork(after_in_child=self._reset)
+
+    def _reset(self) -> None:
+        self._lock = threading.Lock()
+
+    def send(self, message) -> None:
+        with self._lock:
+            self._connection.send(message)
+
+    def __getattr__(self, name: str):
+        return getattr(self._connection, name)
+
+
 @contextlib.contextmanager
 def keep_sigint_handler() -> Iterator[None]:
     """hivemind's ``run_in_background`` sets SIGINT to "ignore" in the *calling* process, so that Ctrl-C

@@ -59,7 +59,7 @@ from p2ptrain.membership import (
     peer_id_of,
     read_swarm_key,
 )
-from p2ptrain.procs import ParentWatchdog
+from p2ptrain.procs import ParentWatchdog, SerialSends, WholeMessages
 from p2ptrain.records import PeerState, ProgressRecord, SplitWatch, live, view_hash
 
 log = get_logger(__name__)
@@ -83,6 +83,7 @@ class WatchedDHT(ParentWatchdog, hivemind.DHT):
         self._watched_parent_pid = os.getpid()
         self._board: BoardService | None = None  # made in the child, by board("open", ...)
         super().__init__(*args, **kwargs)
+        self._outer_pipe = SerialSends(self._outer_pipe)  # type: ignore[has-type]  # hivemind's, untyped
 
     def board(self, op: str, *, return_future: bool = False, **kwargs: Any) -> Any:
         """Call :class:`~p2ptrain.board.BoardService`'s ``op`` in the DHT child (``open`` makes it), from the
@@ -112,6 +113,7 @@ class WatchedDHT(ParentWatchdog, hivemind.DHT):
         self._start_parent_watchdog(
             lambda: self._outer_pipe.send(("_shutdown", [], {})), own_process_group=True
         )
+        self._inner_pipe = WholeMessages(self._inner_pipe)  # type: ignore[has-type]  # hivemind's, untyped
         super().run()
 
 
@@ -174,8 +176,10 @@ def create_dht(
         raise SwarmError(
             f"no initial peer answered within {cfg.bootstrap_timeout_s:.0f}s: {', '.join(initial_peers)}{hint}"
         ) from None
-    except Exception as e:
+    except BaseException as e:  # a Ctrl-C or a second signal too: the DHT child and p2pd go with us
         stop_dht(dht)
+        if not isinstance(e, Exception):
+            raise
         reason = _reason(e)
         if initial_peers:
             raise SwarmError(
@@ -287,8 +291,10 @@ class Swarm:
                 ttl_s=self.record_ttl_s,
                 heartbeat_s=self.heartbeat_s,
             )
-        except Exception as e:
+        except BaseException as e:
             stop_dht(self.dht)
+            if not isinstance(e, Exception):
+                raise
             raise SwarmError(f"could not start the records board: {e}") from None
         self._version = -1
         self._records: dict[str, ProgressRecord] = {}

@@ -11,7 +11,7 @@ import pytest
 
 from p2ptrain import checkpoint
 from p2ptrain.evaluation import Evaluator
-from p2ptrain.localswarm import LOOPBACK, PeerProcess
+from p2ptrain.localswarm import LOOPBACK, PeerProcess, stop_all
 from tests.conftest import ROOT
 
 TINY = ROOT / "configs" / "tiny.yaml"
@@ -86,8 +86,7 @@ def spawn(tmp_path):
         return p
 
     yield _spawn
-    for p in started:
-        p.stop()
+    stop_all(started)
 
 
 def join_args(tmp_path: Path, name: str, run_id: str, *extra: str) -> list[str]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
 import time
 import uuid
@@ -35,3 +37,92 @@ def test_sigterm_and_sigint_stop_a_peer_and_its_children_within_seconds(tmp_path
         assert not errors, errors
         assert (tmp_path / sig.name / "interrupted.safetensors").is_file(), "a stopped peer keeps its work"
         assert "Stopped; this peer's state is in" in peer.stdout()
+
+
+PARENT = """
+import sys, time
+from pathlib import Path
+from p2ptrain.localswarm import PeerProcess
+
+peer = PeerProcess(sys.argv[2:], Path(sys.argv[1]))
+print(peer.proc.pid, flush=True)
+while not peer.outer_steps():
+    time.sleep(0.1)
+print("trained", flush=True)
+time.sleep(3600)
+"""
+
+
+def test_a_peer_started_by_a_demo_or_test_that_is_killed_stops_with_it(tmp_path):
+    """SIGKILL of whatever started the peers (the demo, a test run, a cancelled CI job) used to leave them
+    training to their last round; a peer started through PeerProcess now stops cleanly, as on SIGTERM."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    args = join_args(tmp_path, "peer", f"t{uuid.uuid4().hex[:8]}", "--set", "outer.num_rounds=1000")
+    parent = subprocess.Popen(
+        [sys.executable, "-c", PARENT, str(tmp_path / "peer.log"), *args],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
+    peer_pid = None
+    try:
+        assert parent.stdout is not None
+        peer_pid = int(parent.stdout.readline())
+        assert parent.stdout.readline().strip() == "trained", (tmp_path / "peer.log").read_text()[-2000:]
+        descendants = children_of(peer_pid) | {peer_pid}
+        assert descendants & processes_named("p2pd"), "the peer should own a p2pd"
+        parent.kill()
+        parent.wait()
+        assert not wait_until_gone(descendants, timeout_s=60), "the peer or its children outlived the demo"
+        assert (tmp_path / "peer" / "interrupted.safetensors").is_file(), (
+            "it stopped cleanly, keeping its work"
+        )
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+        if peer_pid is not None:  # a failed test leaves no peer behind
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(peer_pid, signal.SIGKILL)
+
+
+def test_ctrl_c_at_the_demo_stops_each_peer_once_and_cleanly(tmp_path):
+    """Ctrl-C signals the terminal's whole process group. The peers shared the demo's, so each took the
+    terminal's SIGINT and then the demo's SIGTERM as a second signal: exit 143, nothing saved. Each peer
+    now has a session of its own, and the demo stops it once."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    demo = subprocess.Popen(
+        [sys.executable, "-m", "p2ptrain", "demo", "--peers", "2", "--rounds", "1000"]
+        + ["--config", str(ROOT / "configs" / "tiny.yaml"), "--workdir", str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        start_new_session=True,  # a terminal of its own: the group a Ctrl-C reaches
+    )
+    try:
+        assert demo.stdout is not None
+        for line in demo.stdout:  # its first round line: both peers train
+            if line.startswith("round "):
+                break
+        else:
+            raise AssertionError(
+                f"the demo ended before a round: {demo.stderr.read() if demo.stderr else ''}"
+            )
+        os.killpg(demo.pid, signal.SIGINT)  # what Ctrl-C at its terminal does
+        _, err = demo.communicate(timeout=120)
+        assert "interrupted: stopping the peers" in err
+        for i in range(2):
+            log = (tmp_path / f"peer{i}.log").read_text()
+            assert "second signal" not in log, log[-2000:]
+            assert (tmp_path / f"peer{i}" / "interrupted.safetensors").is_file(), log[-2000:]
+    finally:
+        if demo.poll() is None:
+            os.killpg(demo.pid, signal.SIGKILL)

@@ -18,6 +18,7 @@ from p2ptrain.averaging import ExactAverager, SwarmAverager
 from p2ptrain.compression import layout_for
 from p2ptrain.config import AveragingConfig, SwarmConfig
 from p2ptrain.membership import generate_swarm_key
+from p2ptrain.records import MAX_WIRE_PARTS, PART_DIGEST_BYTES
 from p2ptrain.swarm import Swarm, create_dht, stop_dht
 
 pytestmark = pytest.mark.integration
@@ -212,6 +213,9 @@ def test_a_verifiable_rounds_claims_travel_in_the_signed_record(keyed):
         ref_round=3,
         ref_group=[second.peer_id],
         ref_sketch=b"\x01" * 4096,
+        # At its largest: the update is then over 16 KiB, which reaches the DHT child in two writes
+        # (procs.WholeMessages, SerialSends).
+        parts=bytes(range(256)) * (PART_DIGEST_BYTES * MAX_WIRE_PARTS // 256),
     )
     first.update(**claims)
     deadline = time.monotonic() + 30
