@@ -495,8 +495,10 @@ def status(
     from p2ptrain.swarm import create_dht, live_records, progress_validators
 
     logs.configure("error", "json" if as_json else cfg.log.format)
+    # Never a peer's identity (the image sets P2PTRAIN_SWARM__IDENTITY_PATH for its peer): a new one.
+    reader = cfg.swarm.model_copy(update=dict(identity_path=None))
     try:
-        node = create_dht(cfg.swarm, record_validators=progress_validators(cfg.run.run_id))
+        node = create_dht(reader, record_validators=progress_validators(cfg.run.run_id))
     except SwarmError as e:
         raise fail(str(e), EXIT_RUNTIME) from None
     try:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import socket
 import subprocess
 import sys
@@ -120,7 +121,15 @@ def test_metrics_status_and_logs_of_a_two_peer_swarm(tmp_path, spawn):
     first_all = scrape_all(ports, dht_port, *first_all_families)
     # `status --json`, while they train: a reader process that joins the DHT and leaves.
     status_cmd = [sys.executable, "-m", "p2ptrain", "status", "--initial-peers", maddr, "--run-id", run_id]
-    status_proc = subprocess.Popen([*status_cmd, "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    # In a peer's container the image sets the peer's identity file: a reader must never take it (it would
+    # be the peer's double in the DHT), nor make one there.
+    identity = tmp_path / "identity-of-a-peer.key"
+    status_proc = subprocess.Popen(
+        [*status_cmd, "--json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "P2PTRAIN_SWARM__IDENTITY_PATH": str(identity)},
+    )
 
     def moved(name: str, f) -> bool:
         return value(f, name) > value(first, name)
@@ -165,6 +174,7 @@ def test_metrics_status_and_logs_of_a_two_peer_swarm(tmp_path, spawn):
     # `status --json` lists both peers.
     stdout, stderr = status_proc.communicate(timeout=90)
     assert status_proc.returncode == 0, stderr.decode()[-2000:]
+    assert not identity.exists()
     status = json.loads(stdout)
     peer_ids = {p.peer_id() for p in peers}
 
