@@ -67,9 +67,12 @@ class PeerProcess:
             text=True,
             bufsize=1,
             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
-            # Its own session: a Ctrl-C at the terminal reaches only us, and we stop it once, cleanly (it would
-            # take our SIGTERM after the terminal's SIGINT as a second signal and exit without saving).
-            start_new_session=True,
+            # Its own process group: a Ctrl-C at the terminal reaches only us, and we stop it once, cleanly (it
+            # would take our SIGTERM after the terminal's SIGINT as a second signal and exit without saving).
+            # Not its own session: the kernel shares CPU between sessions (autogroups), and a peer's trainer
+            # would then compete with its own averager and p2pd for one session's share (suspected in two
+            # under-load failures where a follower missed its leader's group).
+            process_group=0,
         )
         self._threads = [
             threading.Thread(target=self._read_stdout, daemon=True),

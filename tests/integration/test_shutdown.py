@@ -92,7 +92,7 @@ def test_a_peer_started_by_a_demo_or_test_that_is_killed_stops_with_it(tmp_path)
 def test_ctrl_c_at_the_demo_stops_each_peer_once_and_cleanly(tmp_path):
     """Ctrl-C signals the terminal's whole process group. The peers shared the demo's, so each took the
     terminal's SIGINT and then the demo's SIGTERM as a second signal: exit 143, nothing saved. Each peer
-    now has a session of its own, and the demo stops it once."""
+    now has a process group of its own, and the demo stops it once."""
     import subprocess
     import sys
 
