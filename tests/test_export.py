@@ -46,13 +46,19 @@ def test_grouped_query_attention_matches_too(tmp_path):
         assert torch.allclose(model.eval()(idx), hf(idx).logits, atol=1e-4)
 
 
-def test_a_bpe_runs_tokenizer_goes_with_it_and_the_model_generates_text(tmp_path):
+def saved_on_bpe(tmp_path):
+    """A llama trained (as saved) on a prepared BPE corpus in tmp_path/data: (its text, manifest, model file)."""
     text = tmp_path / "corpus.txt"
     text.write_text("the cat sat on the mat. " * 400)
     manifest = prepare([str(text)], tmp_path / "data", tokenizer="bpe", vocab_size=300)
     _, path = saved(
         tmp_path, "llama-nano", manifest.vocab_size, {"source": "prepared", "path": str(tmp_path / "data")}
     )
+    return text, manifest, path
+
+
+def test_a_bpe_runs_tokenizer_goes_with_it_and_the_model_generates_text(tmp_path):
+    _, manifest, path = saved_on_bpe(tmp_path)
     export(path, tmp_path / "hf")
     tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf", local_files_only=True)
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", local_files_only=True)
@@ -65,12 +71,7 @@ def test_a_bpe_runs_tokenizer_goes_with_it_and_the_model_generates_text(tmp_path
 def test_a_bpe_model_over_other_prepared_data_is_refused_and_a_byte_export_leaves_no_stale_tokenizer(
     tmp_path,
 ):
-    text = tmp_path / "corpus.txt"
-    text.write_text("the cat sat on the mat. " * 400)
-    manifest = prepare([str(text)], tmp_path / "data", tokenizer="bpe", vocab_size=300)
-    _, path = saved(
-        tmp_path, "llama-nano", manifest.vocab_size, {"source": "prepared", "path": str(tmp_path / "data")}
-    )
+    text, _, path = saved_on_bpe(tmp_path)
     export(path, tmp_path / "hf")
     assert (tmp_path / "hf" / "tokenizer.json").exists()
     # The same folder exported again from a byte-level model: no tokenizer of another model left beside it.
