@@ -644,7 +644,7 @@ def checked_group(group: GroupInfo, me: PeerID, my_mode: AveragingMode, serializ
     Raises:
         AllreduceException: a member's data is malformed, or ours is not what we sent.
     """
-    entries = []
+    entries, modes = [], []
     for peer, raw in zip(group.peer_ids, group.gathered, strict=True):
         try:
             bandwidth, mode_id, user_bytes = serializer.loads(raw)
@@ -665,7 +665,8 @@ def checked_group(group: GroupInfo, me: PeerID, my_mode: AveragingMode, serializ
             user = None
         flat = {"round": user["round"]} if isinstance(user, dict) and type(user.get("round")) is int else {}
         entries.append(serializer.dumps([None, mode.value, serializer.dumps(flat)]))
-    if all(serializer.loads(e)[1] == AveragingMode.CLIENT.value for e in entries):
+        modes.append(mode)
+    if all(mode == AveragingMode.CLIENT for mode in modes):
         raise AllreduceException("every member of the group is a client: nobody reduces")
     return GroupInfo(group.group_id, tuple(group.peer_ids), tuple(entries))
 
@@ -1160,7 +1161,7 @@ class SwarmAverager:
             gathered = out["gathered"]
             # What groupmates sent about themselves (checked_group cut it down to their round).
             infos = [g if isinstance(g, dict) else {} for g in gathered.values()]
-            rounds = {g.get("round") if type(g.get("round")) is int else None for g in infos}
+            rounds = {g.get("round") for g in infos}
             if rounds != {round}:  # cannot happen with round-keyed groups; never apply a mixed average
                 errors.append(f"attempt {attempt + 1}: groupmates of rounds {sorted(map(str, rounds))}")
                 continue

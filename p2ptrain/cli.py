@@ -248,18 +248,16 @@ ExitWithParentOpt = Annotated[
 def exit_with_parent() -> None:
     """Send ourselves SIGTERM (a clean stop, through :func:`install_stop_handlers`) once the process that
     started us is gone: a demo or test run that is killed takes its peers with it."""
-    parent = os.getppid()
+    from p2ptrain.procs import on_parent_exit
 
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(0.5)
+    def stop() -> None:
         # Our output went to pipes that it read: written to now, they would break the clean stop.
         devnull = os.open(os.devnull, os.O_WRONLY)
         for fd in (1, 2):
             os.dup2(devnull, fd)
         os.kill(os.getpid(), signal.SIGTERM)
 
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+    on_parent_exit(os.getppid(), stop)
 
 
 @app.command()

@@ -41,18 +41,26 @@ class ParentWatchdog:
         if own_process_group:
             with contextlib.suppress(OSError):
                 os.setpgid(0, 0)
-        parent = self._watched_parent_pid
 
-        def watch() -> None:
-            while os.getppid() == parent:
-                time.sleep(0.5)
+        def orphaned() -> None:
             try:
                 on_orphaned()
             finally:
                 time.sleep(grace_s)
                 os._exit(1)
 
-        threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
+        on_parent_exit(self._watched_parent_pid, orphaned)
+
+
+def on_parent_exit(parent: int, callback: Callable[[], None]) -> None:
+    """Call ``callback`` in a thread of this process once its parent, ``parent``, is gone."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        callback()
+
+    threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
 
 
 class WholeMessages:
