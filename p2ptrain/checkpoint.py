@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 from pydantic import ValidationError
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from p2ptrain.config import (
@@ -235,8 +235,6 @@ def _read(path: Path) -> tuple[LoadedModel, dict[str, torch.Tensor]]:
         raise CheckpointError(f"{path}: no such file")
     try:
         tensors = load_file(str(path))
-        from safetensors import safe_open
-
         with safe_open(str(path), framework="pt") as f:
             metadata = f.metadata() or {}
     except (SafetensorError, OSError) as e:
@@ -246,13 +244,19 @@ def _read(path: Path) -> tuple[LoadedModel, dict[str, torch.Tensor]]:
             f"{path}: not a p2ptrain model file (format {str(metadata.get('format'))[:40]!r})"
         )
     config = _embedded_config(path, metadata.get("config"))
-    round_ = metadata.get("round", "")
-    if not (
-        round_.isdigit() and len(round_) <= 12
-    ):  # a file can come from anyone: check, never int() blindly
-        raise CheckpointError(f"{path}: its round is not a whole number ({round_[:40]!r})")
+    round_ = _round_in(metadata)
+    if round_ is None:
+        text = str(metadata.get("round", ""))
+        raise CheckpointError(f"{path}: its round is not a whole number ({text[:40]!r})")
     params = {k: v for k, v in tensors.items() if not k.startswith(_STATE_PREFIXES)}
-    return LoadedModel(config=config, round=int(round_), params=params, metadata=metadata), tensors
+    return LoadedModel(config=config, round=round_, params=params, metadata=metadata), tensors
+
+
+def _round_in(metadata: dict[str, str]) -> int | None:
+    """The round a file's metadata gives, if it is a plain whole number. A file can come from anyone: check,
+    never int() blindly (int() takes '-1', ' 7' and other scripts' digits; '²' passes isdigit() and fails)."""
+    text = metadata.get("round", "")
+    return int(text) if text.isascii() and text.isdigit() and len(text) <= 12 else None
 
 
 MAX_CONFIG_BYTES = 1 << 20
@@ -405,11 +409,24 @@ NOT_RESUMABLE = ("diverged.safetensors",)
 
 
 def candidates(directory: Path, *, resumable_only: bool = True) -> list[Path]:
-    """Checkpoint files in ``directory``, newest first (by modification time)."""
+    """Checkpoint files in ``directory``, newest first: by the round each file says it holds, then by
+    modification time. Not by time alone: a copy, a restore from a backup or a clock set back makes an
+    older round look newest. Files whose round cannot be read come last (a resume refuses them, saying why).
+    """
     files = [f for f in Path(directory).glob("*.safetensors") if f.is_file()]
     if resumable_only:
         files = [f for f in files if f.name not in NOT_RESUMABLE]
-    return sorted(files, key=lambda f: f.stat().st_mtime, reverse=True)
+    return sorted(files, key=lambda f: (_saved_round(f), f.stat().st_mtime), reverse=True)
+
+
+def _saved_round(path: Path) -> int:
+    """The round in a model file's metadata (its header only is read), or -1 if it cannot be read."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            round_ = _round_in(f.metadata() or {})
+    except (SafetensorError, OSError):
+        return -1
+    return -1 if round_ is None else round_
 
 
 def _hashes(config_hash: str | Collection[str]) -> frozenset[str]:
@@ -420,8 +437,6 @@ def read_swarm_memory(path: Path, config_hash: str | Collection[str]) -> dict:
     """What the peer that wrote ``path`` had seen of the swarm ({} if the file does not say, is unreadable, or
     belongs to another experiment: what a peer saw of another run says nothing about this one)."""
     try:
-        from safetensors import safe_open
-
         with safe_open(str(path), framework="pt") as f:
             metadata = f.metadata() or {}
             saved = json.loads(metadata.get("swarm", "{}"))

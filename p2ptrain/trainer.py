@@ -1536,11 +1536,13 @@ class Trainer:
         What this peer had seen of the swarm comes back from every file there (a diverged final included,
         though it is never resumed from): a peer left behind before its restart is still behind.
         """
-        for i, path in enumerate(checkpoint.candidates(self.checkpoint_dir, resumable_only=False)):
+        reputation_restored = False
+        for path in checkpoint.candidates(self.checkpoint_dir, resumable_only=False):
             saved = checkpoint.read_swarm_memory(path, self.cfg.resumable_hashes())
             self.memory.restore(saved)
-            if i == 0:  # the newest file's reputation (candidates come newest first)
+            if saved and not reputation_restored:  # the newest of this run's files (newest come first)
                 self.reputation.restore(saved.get("reputation"))
+                reputation_restored = True
         resumed = checkpoint.resume_latest(
             self.checkpoint_dir,
             self.model,

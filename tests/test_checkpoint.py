@@ -208,12 +208,36 @@ def test_a_checkpoint_whose_counters_are_not_whole_numbers_is_refused_and_an_old
     assert refused == [(newer, f"{newer}: unreadable counters in its metadata")]
 
 
+def test_resume_goes_by_the_round_a_file_holds_not_by_when_it_was_written(tmp_path):
+    """A copy or a restore from a backup gives an older round the newest time: the newest round still wins,
+    and a file whose round cannot be read is tried last (and refused, saying why)."""
+    cfg = ExperimentConfig()
+    model, d, opt = _with_inner_optimizer()
+    for round_ in (0, 1, 2):
+        d.sync(None, weight=1, round=round_)
+        checkpoint.save(tmp_path / f"round-{round_:06d}.safetensors", model, d, cfg, inner_optimizer=opt)
+    now = time.time()
+    for age, name in ((300, "round-000002"), (200, "round-000001"), (100, "round-000000")):
+        os.utime(tmp_path / f"{name}.safetensors", (now - age, now - age))
+    (tmp_path / "interrupted.safetensors").write_bytes(b"not a model file")
+    assert [p.stem for p in checkpoint.candidates(tmp_path)] == [
+        "round-000002",
+        "round-000001",
+        "round-000000",
+        "interrupted",
+    ]
+    restored, d2, opt2 = _with_inner_optimizer(seed=9)
+    got = checkpoint.resume_latest(tmp_path, restored, d2, opt2, cfg.training_hash())
+    assert got is not None and got[0].stem == "round-000002" and got[1].round == d.round
+
+
 @pytest.mark.parametrize(
     "metadata, reason",
     [
         ({"round": None}, "its round is not a whole number"),
         ({"round": "three"}, "its round is not a whole number"),
         ({"round": "-1"}, "its round is not a whole number"),
+        ({"round": "\u00b2"}, "its round is not a whole number"),
         ({"config": "[" * 100_000 + "]" * 100_000}, "its embedded config is not valid JSON"),
         ({"config": json.dumps({"inner": {"lr": "fast"}, "model": {"name": "gpt-huge"}})}, "is invalid: "),
         ({"config": None}, "it carries no experiment config"),
