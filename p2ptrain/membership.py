@@ -19,12 +19,14 @@ the checks in ``averaging.py``, ``diloco.py`` and ``transfer.py``; docs/architec
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import hmac
 import os
 import re
 import secrets
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -32,7 +34,6 @@ from pathlib import Path
 import base58
 import multihash
 from cryptography.hazmat.primitives import serialization
-from hivemind.p2p.p2p_daemon import P2P
 from hivemind.proto import crypto_pb2
 from hivemind.utils.auth import AuthorizedRequestBase, AuthorizedResponseBase, AuthorizerBase
 from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
@@ -178,9 +179,33 @@ def load_identity(path: Path) -> RSAPrivateKey:
 
 
 def create_identity(path: Path) -> RSAPrivateKey:
-    """Write a new libp2p identity to ``path`` and return its key."""
-    P2P.generate_identity(str(path))
-    return load_identity(path)
+    """Write a new libp2p identity to ``path`` and return its key; if another process made one there first,
+    return that one.
+
+    Not with hivemind's ``P2P.generate_identity``: it writes the file in place, so a peer killed mid-write
+    leaves a truncated key that every later start refuses, and the private key is readable by everyone until
+    its chmod. Here the key is written whole to a temporary file only we can read, then linked into place,
+    which never replaces a file that is there.
+    """
+    key = RSAPrivateKey()
+    data = crypto_pb2.PrivateKey(key_type=crypto_pb2.KeyType.RSA, data=key.to_bytes()).SerializeToString()
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o400)
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            return load_identity(path)
+        except OSError:  # a file system without hard links: a rename is atomic too, if last-come-wins
+            os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+    return key
 
 
 def peer_id_of(public_key: RSAPublicKey) -> str:

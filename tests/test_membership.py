@@ -2,6 +2,7 @@
 their signer's identity. (On real DHTs and averagers: tests/integration/test_membership.py.)"""
 
 import asyncio
+import os
 import stat
 import subprocess
 import sys
@@ -122,6 +123,26 @@ def test_the_identity_file_key_gives_the_peer_id_and_signs_records(tmp_path):
     subkey = RSASignatureValidator(key).local_public_key
     assert peer_id_of_owner(subkey) == peer_id_of(key.get_public_key())
     assert peer_id_of_owner(b"[owner:not a key]") is None and peer_id_of_owner("text") is None
+
+
+def test_an_identity_file_appears_whole_readable_by_its_owner_only_and_is_never_replaced(
+    tmp_path, monkeypatch
+):
+    """hivemind writes the key in place: a peer killed mid-write left a truncated key that every later start
+    refused, and the key was readable by all until its chmod; two peers starting at once each wrote theirs."""
+    path = tmp_path / "id.key"
+    first = create_identity(path)
+    assert path.stat().st_mode & 0o077 == 0
+    assert create_identity(path).to_bytes() == first.to_bytes()  # the one that is there, not a new one
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["id.key"]
+
+    def killed(fd):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(os, "fsync", killed)
+    with pytest.raises(KeyboardInterrupt):
+        create_identity(tmp_path / "other.key")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["id.key"]
 
 
 def wire(peer_id, round=3):
