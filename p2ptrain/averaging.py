@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import hashlib
 import math
 import os
 import pickle
@@ -56,6 +57,7 @@ from hivemind.p2p import P2P, P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import MPFuture, get_dht_time
 from hivemind.utils.asyncio import (
+    achain,
     aiter_with_timeout,
     amap_in_executor,
     as_aiter,
@@ -176,6 +178,8 @@ class ExactAllReduceRunner(AllReduceRunner):
         self.bytes_sent = 0
         self.bytes_received = 0
         self.misbehaved: set[PeerID] = set()
+        self.absent: set[PeerID] = set()
+        """Groupmates that said they hold no such group (``Fault.ABSENT``)."""
         self._complete_senders: set[PeerID] = set()
         """Senders all of whose parts went into our slice (and got our answers)."""
 
@@ -219,6 +223,8 @@ class ExactAllReduceRunner(AllReduceRunner):
 
             def _deserialize(item):
                 index, msg = item
+                if msg.code == averaging_pb2.BAD_GROUP_ID:
+                    raise NotInGroup(f"{peer_id} holds no such group")
                 if msg.code != averaging_pb2.AVERAGED_PART:
                     raise AllreduceException(f"{peer_id} sent {averaging_pb2.MessageCode.Name(msg.code)}")
                 self.bytes_received += len(msg.tensor_part.buffer)
@@ -257,6 +263,14 @@ class ExactAllReduceRunner(AllReduceRunner):
             self._fault(peer_id, Fault.STALLED, f"as a reducer, silent for {self.reducer_timeout:.0f}s")
             self.tensor_part_container.register_failed_reducer(peer_index)
             raise
+        except NotInGroup:
+            # It will send us nothing either: stop waiting for its parts (it is no staller), void this attempt.
+            self.absent.add(peer_id)
+            self._fault(peer_id, Fault.ABSENT, "it holds no such group")
+            if peer_id in self.sender_peer_ids:
+                await self._ban_sender(peer_id)
+            self.tensor_part_container.register_failed_reducer(peer_index)
+            raise
         except BaseException as e:
             # hivemind logs what ends this task at debug only: say which reducer failed us, and how.
             log.warning(
@@ -287,6 +301,8 @@ class ExactAllReduceRunner(AllReduceRunner):
         hivemind) and reported as stalled (here)."""
         await super()._handle_missing_senders()
         for peer_id in self.sender_peer_ids:
+            if peer_id in self.absent:
+                continue
             if peer_id not in self.active_senders and peer_id in self.banned_senders:
                 self._fault(peer_id, Fault.STALLED, f"as a sender, silent for {self.sender_timeout:.0f}s")
 
@@ -476,6 +492,10 @@ class Fault(str, Enum):
     STALLED = "stalled"
     """Sent nothing for a whole timeout, while connected. Left out for 16 rounds, doubling with each stall
     (an honest peer stalls rarely; one that stalls on purpose soon costs nothing)."""
+    ABSENT = "absent"
+    """Said it holds no such group: it never got the group from the leader (its matchmaking gave up first,
+    or the leader never sent it), or the leader sent it another group than ours. Left out of the round's
+    retry, not longer: nothing it did is known to be wrong, and the leader may be the one at fault."""
 
 
 def _decoded(part, shape: torch.Size | None) -> torch.Tensor | None:
@@ -630,6 +650,29 @@ class LeftOut:
         return sorted(p for p, until in self._until.items() if round < until < math.inf)
 
 
+class NotInGroup(AllreduceException):
+    """A groupmate answered that it holds no group of this id (``Fault.ABSENT``)."""
+
+
+def agreed_group(group: GroupInfo) -> GroupInfo:
+    """``group`` under an id that commits to all of it: the leader's id, the members in order and what each
+    of them joined with, as the leader relayed them to us.
+
+    The leader sends each member the group on a stream of its own, so a hostile one can tell members
+    different groups: another order, another member's mode, a member left out. Members who average by the
+    leader's id alone would then cut the vector differently and take each other's parts for other slices:
+    an average silently mixed from the wrong values, or a groupmate's honest part judged malformed and the
+    groupmate left out for good. Under this id, members who hold different groups hold different ids: each
+    answers the other that it holds no such group (hivemind's BAD_GROUP_ID) before any part is judged.
+    """
+    digest = hashlib.sha256(group.group_id)
+    for peer, entry in zip(group.peer_ids, group.gathered, strict=True):
+        for field_ in (peer.to_bytes(), entry):
+            digest.update(len(field_).to_bytes(8, "big"))
+            digest.update(field_)
+    return GroupInfo(digest.digest(), tuple(group.peer_ids), tuple(group.gathered))
+
+
 def checked_group(group: GroupInfo, me: PeerID, my_mode: AveragingMode, serializer: Any) -> GroupInfo:
     """``group`` as we average with it: every member's join data well formed, ours as we sent it, claimed
     bandwidths dropped and each member's own data cut down to its round.
@@ -688,10 +731,12 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
         max_weight: float = math.inf,
         max_state_bytes: float = math.inf,
         aggregate: Aggregate = mean,
+        agreed_groups: bool = True,
         **kwargs,
     ):
         self._watched_parent_pid = os.getpid()
         self._aggregate = aggregate
+        self._agreed_groups = agreed_groups
         self._state_provider = state_provider
         self._run_id = run_id
         self._max_weight = max_weight
@@ -784,12 +829,31 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._pending_groups_registered.wait(), self.request_timeout)
         await self._admit(remote, "to average its part")
-        async for message in super().rpc_aggregate_part(stream, context):
-            yield message
+        request = await anext(stream)
+        if await self._holds_group(request.group_id):
+            async for message in super().rpc_aggregate_part(achain(as_aiter(request), stream), context):
+                yield message
+        else:
+            # hivemind would wait for as long as our matchmaking goes on, and then some: the groupmate would
+            # take us for a staller and leave us out for 16 rounds. Say so in time (Fault.ABSENT).
+            yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
         # Our last answer may still be on its way: were we to end now, p2pd would reset the stream under it.
         # The caller closes the stream once it has every answer, which ends this handler (cancelled); a caller
         # of a release before 2026-12-04 waits for us to close instead, so we do after a while.
         await asyncio.sleep(self.request_timeout)
+
+    async def _holds_group(self, group_id: bytes) -> bool:
+        """Whether we hold (or, within half a sender's timeout, come to hold) the group ``group_id``: a group
+        the leader answered us last arrives a moment after a groupmate's first part."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.allreduce_kwargs.get("sender_timeout", self.request_timeout) / 2
+        while group_id not in self._running_groups:
+            left = deadline - loop.time()
+            if left <= 0 or self._pending_groups_registered.is_set():
+                return False  # out of time, or no group of ours is on its way
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._pending_groups_registered.wait(), left)
+        return True
 
     async def rpc_download_state(
         self, request: averaging_pb2.DownloadRequest, context: P2PContext
@@ -921,7 +985,11 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
         refused_at = self._refused_at.get(peer.to_base58(), -math.inf)
         if fault == Fault.STALLED and time.monotonic() - refused_at < _REFUSAL_MEMORY_S:
             return  # it did not stall: we refused it (hivemind then counts it as a sender that never came)
-        until = self._left_out.fault(peer.to_base58(), fault, self._round)
+        if fault == Fault.ABSENT:
+            self._left_out.for_round(peer.to_base58(), self._round)
+            until: float = self._round
+        else:
+            until = self._left_out.fault(peer.to_base58(), fault, self._round)
         log.warning(
             "left a groupmate out",
             peer=peer.to_base58(),
@@ -931,10 +999,15 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
             until_round="the end of the run" if until == math.inf else int(until),
         )
 
+    def _as_agreed(self, group_info: GroupInfo) -> GroupInfo:
+        """The group under the id we average with: :func:`agreed_group`'s (``averaging.agreed_groups``)."""
+        return agreed_group(group_info) if self._agreed_groups else group_info
+
     @contextlib.contextmanager
     def _register_allreduce_group(self, group_info):
-        """hivemind's registration of the group we are about to average with; its members are groupmates
-        (admitted by ``_admit``) from this moment, before our all-reduce starts."""
+        """hivemind's registration of the group we are about to average with (under :meth:`_as_agreed`'s id);
+        its members are groupmates (admitted by ``_admit``) from this moment, before our all-reduce starts."""
+        group_info = self._as_agreed(group_info)
         self._groupmates[group_info.group_id] = set(group_info.peer_ids)
         try:
             with super()._register_allreduce_group(group_info):
@@ -951,7 +1024,7 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
             raise AllreduceException(
                 f"the group holds {excluded[0]}, whom we left out of round {self._round}"
             )
-        group_info = checked_group(group_info, self.peer_id, self.mode, self.serializer)
+        group_info = checked_group(self._as_agreed(group_info), self.peer_id, self.mode, self.serializer)
         gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
         self._last_allreduce.refused = self._left_out.for_good()
         self._last_allreduce.stalled = self._left_out.for_a_while(self._round)
@@ -1117,6 +1190,7 @@ class SwarmAverager:
                 run_id=run_id,
                 max_weight=max_weight,
                 aggregate=aggregator(cfg),
+                agreed_groups=cfg.agreed_groups,
                 # Params and outer momentum in float32, hivemind's framing, and room for the metadata.
                 max_state_bytes=2 * 4 * sum(math.prod(s) for s in layout.shapes) * 1.1 + 2**16,
                 start=True,

@@ -236,6 +236,12 @@ class AveragingConfig(_Section):
     a faster all-reduce. centered_clip then judges slices of the packed tensors rather than whole tensors. A
     published experiment or a checkpoint that leaves this out means false (releases before 2026-12-03 send
     tensor by tensor)."""
+    agreed_groups: bool = True
+    """Average under an id that commits to the whole group as the leader relayed it (its members in order and
+    what each joined with), so that members told different groups by a hostile leader find out (each holds
+    no group of the other's id) instead of averaging misaligned slices or judging each other's honest parts
+    malformed. A published experiment or a checkpoint that leaves this out means false (releases before
+    2026-12-06 average under the leader's id alone, and cannot average with a peer that does this)."""
     error_feedback: bool = False
     """Keep what quantization dropped from this peer's pseudo-gradient and add it to the next round's
     (EF-SGD). Kept in checkpoints."""
@@ -748,7 +754,10 @@ it out would then train differently under the same hash). ``tests/test_config.py
 released and fails when one changes."""
 
 
-ABSENT_MEANS: dict[str, dict[str, Any]] = {"averaging": {"packed": False}, "outer": {"overlap": False}}
+ABSENT_MEANS: dict[str, dict[str, Any]] = {
+    "averaging": {"packed": False, "agreed_groups": False},
+    "outer": {"overlap": False},
+}
 """Fields whose absence means other than their default: a field added with a new behaviour as its default
 (new runs get it) while the runs of older releases, which leave the field out, keep the old one. Each is
 left out only at this value, so a run at the default publishes it, and an older release refuses to join

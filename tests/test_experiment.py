@@ -169,22 +169,24 @@ def test_releases_mix_a_field_left_out_is_its_default_and_a_newer_ones_field_is_
         check(cfg, newer)
 
 
-def test_a_run_of_a_release_before_packing_is_joined_tensor_by_tensor(keys):
-    """averaging.packed is new and on by default, yet a run that leaves it out (an older release's) means
-    false (config.ABSENT_MEANS): its joiners send tensor by tensor, as its older peers do."""
+@pytest.mark.parametrize("field", ["packed", "agreed_groups"])
+def test_a_run_of_an_older_release_is_joined_with_its_wire(keys, field):
+    """averaging.packed and averaging.agreed_groups are new and on by default, yet a run that leaves them out
+    (an older release's) means false (config.ABSENT_MEANS): its joiners send tensor by tensor and average
+    under the leader's group id, as its older peers do."""
     cfg = cfg_of()
     ours = verified(sign(cfg, keys[0]))
-    assert ours is not None and ours.sections["averaging"]["packed"] is True  # said, so an older one refuses
-    assert "packed" not in cfg_of(averaging__packed=False).training_sections()["averaging"]
+    assert ours is not None and ours.sections["averaging"][field] is True  # said, so an older one refuses
+    assert field not in cfg_of(**{f"averaging__{field}": False}).training_sections()["averaging"]
     old_sections = {**ours.sections, "averaging": {}}
     older = dataclasses.replace(ours, sections=old_sections, digest=digest(old_sections))
     joiner = config_for(older)
-    assert joiner.averaging.packed is False
-    check(cfg_of(averaging__packed=False), older)
-    with pytest.raises(ConfigError, match="averaging.packed: true here, false in the swarm"):
-        check(cfg, older)
-    with pytest.raises(ConfigError, match="averaging.packed"):
-        config_for(older, {"averaging": {"packed": True}})
+    assert getattr(joiner.averaging, field) is False
+    check(cfg_of(averaging__packed=False, averaging__agreed_groups=False), older)
+    with pytest.raises(ConfigError, match=f"averaging.{field}: true here, false in the swarm"):
+        check(cfg_of(**{f"averaging__{'agreed_groups' if field == 'packed' else 'packed'}": False}), older)
+    with pytest.raises(ConfigError, match=f"averaging.{field}"):
+        config_for(older, {"averaging": {field: True}})
 
 
 def test_the_built_in_default_experiment_is_published_under_its_run_id(keys):

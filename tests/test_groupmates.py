@@ -5,6 +5,7 @@ import math
 
 import torch
 from hivemind.compression import CompressionInfo, NoCompression
+from hivemind.p2p import PeerID
 from hivemind.proto import runtime_pb2
 
 from p2ptrain.averaging import Fault, LeftOut, _decoded, part_problem
@@ -90,6 +91,29 @@ def test_a_group_cuts_the_vector_equally_whatever_bandwidth_its_leader_relays():
     assert [c[:2] for c in checked] == [[None, node], [None, node], [None, client], [None, node]]
     assert [S.loads(c[2]) for c in checked] == [{"round": 3}] * 4
     assert load_balance_peers(3000, [b if m == node else 0.0 for b, m, _ in checked]) == (1000, 1000, 0, 1000)
+
+
+def test_members_told_different_groups_average_under_different_ids():
+    """The id a group is averaged under commits to its leader's id, its members in order and what each joined
+    with: members a leader told different groups hold different ids (and say so to each other)."""
+    from hivemind.averaging.group_info import GroupInfo
+
+    from p2ptrain.averaging import AveragingMode, agreed_group
+
+    node, client = AveragingMode.NODE.value, AveragingMode.CLIENT.value
+    group, ids = _group([None, node, b"a"], [None, node, b"b"], [None, node, b"c"])
+    told = agreed_group(group)
+    assert told.peer_ids == group.peer_ids and told.gathered == group.gathered
+    assert agreed_group(GroupInfo(b"g", ids, group.gathered)).group_id == told.group_id  # deterministic
+    lies = [
+        GroupInfo(b"h", ids, group.gathered),  # another leader's id
+        GroupInfo(b"g", ids[1:] + ids[:1], group.gathered[1:] + group.gathered[:1]),  # another order
+        GroupInfo(b"g", ids[:2], group.gathered[:2]),  # a member left out
+        _group([None, node, b"a"], [None, client, b"b"], [None, node, b"c"])[0],  # a member demoted
+        # Where one field ends and the next begins counts too.
+        GroupInfo(b"g" + ids[0].to_bytes()[:1], (PeerID(ids[0].to_bytes()[1:]),) + ids[1:], group.gathered),
+    ]
+    assert len({told.group_id} | {agreed_group(lie).group_id for lie in lies}) == 1 + len(lies)
 
 
 def test_a_leader_that_demotes_us_or_relays_malformed_joins_is_refused():

@@ -10,7 +10,7 @@ import typing
 
 import pytest
 import torch
-from hivemind.p2p import P2PContext
+from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 
 from bench.hostile import Staller
@@ -62,7 +62,42 @@ class DiesAfterTheFirstChunk(ExactAverager):
             os._exit(1)
 
 
+class LeaderThatLies(ExactAverager):
+    """As the leader of round 5's first group, it withholds the group from one follower (the one whose id is
+    the largest in bytes), or tells it the group in another order: a hostile leader, or (withheld) what a
+    follower whose matchmaking gave up a moment too early meets. Honest otherwise, and as a follower."""
+
+    lie = "withhold"
+    lied = False
+
+    async def rpc_join_group(
+        self, request: averaging_pb2.JoinRequest, context: P2PContext
+    ) -> typing.AsyncIterator[averaging_pb2.MessageFromLeader]:
+        async for message in super().rpc_join_group(request, context):
+            first = self._round == 5 and len(message.ordered_peer_ids) == 3 and not self.lied
+            if message.code == averaging_pb2.BEGIN_ALLREDUCE and first:
+                me = self.peer_id.to_bytes()
+                victim = max(p for p in message.ordered_peer_ids if p != me)
+                if context.remote_id.to_bytes() == victim:
+                    self.lied = True
+                    if self.lie == "withhold":
+                        return
+                    told = averaging_pb2.MessageFromLeader()
+                    told.CopyFrom(message)
+                    for field in (told.ordered_peer_ids, told.gathered):
+                        rotated = list(field[1:]) + list(field[:1])
+                        del field[:]
+                        field.extend(rotated)
+                    message = told
+            yield message
+
+
+class LeaderThatReorders(LeaderThatLies):
+    lie = "reorder"
+
+
 DiesAfterServingOnePart.__name__ = DiesAfterTheFirstChunk.__name__ = ExactAverager.__name__
+LeaderThatLies.__name__ = LeaderThatReorders.__name__ = ExactAverager.__name__
 
 
 @pytest.fixture
@@ -416,3 +451,47 @@ def test_reducers_check_each_part_against_its_senders_seal_and_each_weight_again
         expected = sum(w * x[k] for w, x in zip(weights, xs)) / sum(weights)
         torch.testing.assert_close(results[0].tensors[k], expected, atol=0.05, rtol=0)  # int8 on the wire
     assert isinstance(results[3], Exception) or ids[3] not in results[0].peers
+
+
+@pytest.mark.parametrize("leader", [LeaderThatLies, LeaderThatReorders])
+def test_a_follower_the_leader_withholds_the_group_from_or_lies_to_is_left_out_of_that_round_only(
+    swarm_of, leader
+):
+    """The leader tells one follower nothing (as a follower whose matchmaking gave up a moment too early
+    meets), or another order of the group. Its groupmates used to wait out the timeout and take it for a
+    staller, left out for 16 rounds, or (another order) cut the vector differently from it: each slice
+    averaged from misaligned parts, or an honest part judged malformed and its sender left out for good. Now
+    it says it holds no such group (the id commits to the whole group: averaging.agreed_groups), the attempt
+    is voided, the round averaged again without it, and the next round with it."""
+    shapes = [torch.Size([300_000])]
+    averagers = swarm_of(
+        3,
+        classes=[leader] * 3,
+        retries=1,
+        next_chunk_timeout_s=3.0,
+        allreduce_timeout_s=10.0,
+        compression="none",
+        aggregator="mean",
+        shapes=shapes,
+    )
+    ids = [a.peer_id for a in averagers]
+    head = min(ids)  # expect_group names the lowest id to lead
+    victim = max((i for i in ids if i != head), key=lambda i: PeerID.from_base58(i).to_bytes())
+    torch.manual_seed(0)
+    xs = [[torch.randn(s) for s in shapes] for _ in range(3)]
+    for round_ in (5, 6):
+        for a in averagers:
+            a.expect_group(ids)
+        results = run_parallel(
+            [lambda a=a, x=x, r=round_: a.average(x, weight=1.0, round=r) for a, x in zip(averagers, xs)]
+        )
+        seen = [r if isinstance(r, Exception) else (r.peers, r.stalled, r.refused) for r in results]
+        counted = [i for i in range(3) if round_ == 6 or ids[i] != victim]
+        for i in counted:
+            r = results[i]
+            assert not isinstance(r, Exception), (round_, ids, victim, seen)
+            assert sorted(r.peers) == sorted(ids[j] for j in counted), (round_, ids, victim, seen)
+            assert r.stalled == [] and r.refused == [], (round_, ids, victim, seen)  # nobody kept out
+            expected = sum(xs[j][0] for j in counted) / len(counted)
+            torch.testing.assert_close(r.tensors[0], expected)
+            assert torch.equal(r.tensors[0], results[counted[0]].tensors[0])
