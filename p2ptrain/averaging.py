@@ -32,6 +32,7 @@ swarm's state from a donor of its choosing (the checks on what arrives are in ``
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import contextlib
 import hashlib
@@ -223,10 +224,8 @@ class ExactAllReduceRunner(AllReduceRunner):
 
             def _deserialize(item):
                 index, msg = item
-                if msg.code == averaging_pb2.BAD_GROUP_ID:
-                    raise NotInGroup(f"{peer_id} holds no such group")
                 if msg.code != averaging_pb2.AVERAGED_PART:
-                    raise AllreduceException(f"{peer_id} sent {averaging_pb2.MessageCode.Name(msg.code)}")
+                    raise NotInGroup(f"{peer_id} answered {averaging_pb2.MessageCode.Name(msg.code)}")
                 self.bytes_received += len(msg.tensor_part.buffer)
                 return _decoded(msg.tensor_part, _nth(expected, index))
 
@@ -263,12 +262,9 @@ class ExactAllReduceRunner(AllReduceRunner):
             self._fault(peer_id, Fault.STALLED, f"as a reducer, silent for {self.reducer_timeout:.0f}s")
             self.tensor_part_container.register_failed_reducer(peer_index)
             raise
-        except NotInGroup:
+        except NotInGroup as e:
             # It will send us nothing either: stop waiting for its parts (it is no staller), void this attempt.
-            self.absent.add(peer_id)
-            self._fault(peer_id, Fault.ABSENT, "it holds no such group")
-            if peer_id in self.sender_peer_ids:
-                await self._ban_sender(peer_id)
+            await self.mark_absent(peer_id, str(e))
             self.tensor_part_container.register_failed_reducer(peer_index)
             raise
         except BaseException as e:
@@ -289,6 +285,15 @@ class ExactAllReduceRunner(AllReduceRunner):
         if peer_id in self._complete_senders:
             return
         await super()._ban_sender(peer_id)
+
+    async def mark_absent(self, peer_id: PeerID, reason: str) -> None:
+        """``peer_id`` is not averaging this group (``Fault.ABSENT``): we stop waiting for its parts."""
+        if peer_id in self.absent:
+            return
+        self.absent.add(peer_id)
+        self._fault(peer_id, Fault.ABSENT, reason)
+        if peer_id in self.sender_peer_ids:
+            await self._ban_sender(peer_id)
 
     def _fault(self, peer_id: PeerID, fault: Fault, reason: str) -> None:
         if fault == Fault.MISBEHAVED:
@@ -493,9 +498,18 @@ class Fault(str, Enum):
     """Sent nothing for a whole timeout, while connected. Left out for 16 rounds, doubling with each stall
     (an honest peer stalls rarely; one that stalls on purpose soon costs nothing)."""
     ABSENT = "absent"
-    """Said it holds no such group: it never got the group from the leader (its matchmaking gave up first,
-    or the leader never sent it), or the leader sent it another group than ours. Left out of the round's
-    retry, not longer: nothing it did is known to be wrong, and the leader may be the one at fault."""
+    """Is not averaging our group: it said it holds no such group (it never got the group from the leader,
+    whose answer came after its matchmaking gave up or never came, or the leader told it another group than
+    ours) or that it gave the group up, or it sent its parts under another group's id. Left out of the
+    round's retry, not longer: nothing it did is known to be wrong, and the leader may be the one at fault."""
+    MALFORMED_JOIN = "malformed_join"
+    """Its join data, as the leader relayed it, is malformed: the attempt is void. Left out of the round's
+    retry (or it would void that too), not longer: the leader may have made it."""
+
+    @property
+    def one_round(self) -> bool:
+        """Whether the peer is left out of the round it did this in only."""
+        return self in (Fault.ABSENT, Fault.MALFORMED_JOIN)
 
 
 def _decoded(part, shape: torch.Size | None) -> torch.Tensor | None:
@@ -611,6 +625,8 @@ class LeftOut:
     without it, and of the next ``STALL_ROUNDS - 1`` rounds, twice as many at each further stall: a peer
     that stalls on purpose costs us one timeout per 16 rounds at most, then fewer; an honest peer whose
     machine hung once trains on (rebasing onto the swarm's params) and averages with us again 16 rounds later.
+    One that voided an attempt without being known to be at fault (``Fault.one_round``) is left out of that
+    round's retry only.
     """
 
     STALL_ROUNDS = 16
@@ -625,6 +641,8 @@ class LeftOut:
         """Record a fault of ``peer`` in ``round``; returns the last round it is left out of (inf: all)."""
         if fault == Fault.MISBEHAVED:
             until = math.inf
+        elif fault.one_round:
+            until = round
         elif self._last_stall.get(peer) == round:  # one stall per round, however many parts it held up
             until = self._until[peer]
         else:
@@ -651,7 +669,16 @@ class LeftOut:
 
 
 class NotInGroup(AllreduceException):
-    """A groupmate answered that it holds no group of this id (``Fault.ABSENT``)."""
+    """A groupmate answered with a code, not an averaged part: BAD_GROUP_ID (it holds no group of this id), or
+    CANCELLED or an error (it is not averaging this group): ``Fault.ABSENT``."""
+
+
+class MalformedJoin(AllreduceException):
+    """A member's join data, as the leader relayed it, is malformed (``Fault.MALFORMED_JOIN``)."""
+
+    def __init__(self, peer: PeerID, message: str):
+        super().__init__(message)
+        self.peer = peer
 
 
 def agreed_group(group: GroupInfo) -> GroupInfo:
@@ -665,11 +692,15 @@ def agreed_group(group: GroupInfo) -> GroupInfo:
     groupmate left out for good. Under this id, members who hold different groups hold different ids: each
     answers the other that it holds no such group (hivemind's BAD_GROUP_ID) before any part is judged.
     """
-    digest = hashlib.sha256(group.group_id)
+    # Every field length-prefixed, and the count first: no two groups give the same bytes to hash (a review
+    # found a longer leader's id that swallowed the first member's entry, for one member fewer).
+    fields = [len(group.peer_ids).to_bytes(8, "big"), group.group_id]
     for peer, entry in zip(group.peer_ids, group.gathered, strict=True):
-        for field_ in (peer.to_bytes(), entry):
-            digest.update(len(field_).to_bytes(8, "big"))
-            digest.update(field_)
+        fields += [peer.to_bytes(), entry]
+    digest = hashlib.sha256()
+    for field_ in fields:
+        digest.update(len(field_).to_bytes(8, "big"))
+        digest.update(field_)
     return GroupInfo(digest.digest(), tuple(group.peer_ids), tuple(group.gathered))
 
 
@@ -685,7 +716,8 @@ def checked_group(group: GroupInfo, me: PeerID, my_mode: AveragingMode, serializ
     is flat (deep nesting would fail to cross the pipe and leave the trainer waiting).
 
     Raises:
-        AllreduceException: a member's data is malformed, or ours is not what we sent.
+        MalformedJoin: a member's data is malformed.
+        AllreduceException: ours is not what we sent, or nobody in the group reduces.
     """
     entries, modes = [], []
     for peer, raw in zip(group.peer_ids, group.gathered, strict=True):
@@ -697,8 +729,8 @@ def checked_group(group: GroupInfo, me: PeerID, my_mode: AveragingMode, serializ
             ):
                 raise TypeError("not (bandwidth, mode, bytes)")
         except Exception as e:  # msgpack's and the unpacking's zoo: any of them means a malformed join
-            raise AllreduceException(
-                f"{peer} joined the group with malformed data ({type(e).__name__})"
+            raise MalformedJoin(
+                peer, f"{peer} joined the group with malformed data ({type(e).__name__})"
             ) from None
         if peer == me and mode != my_mode:
             raise AllreduceException(f"the group's leader reports us in mode {mode.name}, not {my_mode.name}")
@@ -751,6 +783,10 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
         self._reading_members = False
         self._refused_at: dict[str, float] = {}
         self._groupmates: dict[bytes, set[PeerID]] = {}
+        self._held_ids: collections.deque[bytes] = collections.deque(maxlen=64)
+        """The ids of the groups we held last (a part sent under one of them is a late one)."""
+        self._absent_early: dict[bytes, set[PeerID]] = {}
+        """Groupmates found to hold another group before our runner was made (``_sent_under_another_id``)."""
         self._refused = Throttle()
         super().__init__(*args, **kwargs)
 
@@ -822,31 +858,45 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
         self, stream: typing.AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
     ) -> typing.AsyncIterator[averaging_pb2.AveragingData]:
         remote = context.remote_id
+        loop = asyncio.get_running_loop()
+        # How long a groupmate's part may wait for our group (hivemind waits as long as our matchmaking goes
+        # on, and then some: the groupmate would take us for a staller and leave us out for 16 rounds).
+        deadline = loop.time() + self._group_wait_s()
         if not any(remote in mates for mates in self._groupmates.values()):
             # A groupmate may begin sending before our own matchmaking has handed us the group (the leader's
-            # answer reached it first; hivemind waits for that too): wait for it before asking the records,
-            # which may not show a peer that joined a moment ago.
+            # answer reached it first): wait for it before asking the records, which may not show a peer that
+            # joined a moment ago.
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._pending_groups_registered.wait(), self.request_timeout)
+                wait = max(0.0, min(self.request_timeout, deadline - loop.time()))
+                await asyncio.wait_for(self._pending_groups_registered.wait(), wait)
         await self._admit(remote, "to average its part")
         request = await anext(stream)
-        if await self._holds_group(request.group_id):
-            async for message in super().rpc_aggregate_part(achain(as_aiter(request), stream), context):
-                yield message
+        declined = False
+        if await self._holds_group(request.group_id, deadline):
+            try:
+                async for message in super().rpc_aggregate_part(achain(as_aiter(request), stream), context):
+                    yield message
+            except NotInGroup:  # we gave the group up before our all-reduce began (_register_allreduce_group)
+                declined = True
         else:
-            # hivemind would wait for as long as our matchmaking goes on, and then some: the groupmate would
-            # take us for a staller and leave us out for 16 rounds. Say so in time (Fault.ABSENT).
-            yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
+            declined = True
+            await self._sent_under_another_id(remote, request.group_id)
+        if declined:
+            yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)  # the caller's Fault.ABSENT
         # Our last answer may still be on its way: were we to end now, p2pd would reset the stream under it.
         # The caller closes the stream once it has every answer, which ends this handler (cancelled); a caller
         # of a release before 2026-12-04 waits for us to close instead, so we do after a while.
         await asyncio.sleep(self.request_timeout)
 
-    async def _holds_group(self, group_id: bytes) -> bool:
-        """Whether we hold (or, within half a sender's timeout, come to hold) the group ``group_id``: a group
-        the leader answered us last arrives a moment after a groupmate's first part."""
+    def _group_wait_s(self) -> float:
+        """Half a sender's timeout: a part that waits for our group gets its answer (BAD_GROUP_ID) well before
+        its sender, whose timeouts are the swarm's defaults unless it changed them, takes us for a staller."""
+        return (self.allreduce_kwargs.get("sender_timeout") or 2 * self.request_timeout) / 2
+
+    async def _holds_group(self, group_id: bytes, deadline: float) -> bool:
+        """Whether we hold (or, by ``deadline``, come to hold) the group ``group_id``: a group the leader
+        answered us last arrives a moment after a groupmate's first part."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.allreduce_kwargs.get("sender_timeout", self.request_timeout) / 2
         while group_id not in self._running_groups:
             left = deadline - loop.time()
             if left <= 0 or self._pending_groups_registered.is_set():
@@ -854,6 +904,23 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._pending_groups_registered.wait(), left)
         return True
+
+    async def _sent_under_another_id(self, remote: PeerID, group_id: bytes) -> None:
+        """A member of a group we hold sent us its parts under an id we never held: it holds another group
+        (the leader told us different groups), so it will send us nothing under ours. Our runner stops
+        waiting for it (``Fault.ABSENT``), as a caller does when we answer BAD_GROUP_ID: a groupmate that
+        never calls us (a client, or a node with nothing to reduce) is found out this way only. A part of a
+        group we held before is a late one, from an attempt that is over: nothing about this one."""
+        if group_id in self._held_ids:
+            return
+        for held, mates in list(self._groupmates.items()):
+            if remote not in mates:
+                continue
+            future = self._running_groups.get(held)
+            if future is not None and future.done() and not future.cancelled() and not future.exception():
+                await future.result().mark_absent(remote, "it sent its parts under another group's id")
+            else:  # our runner is not made yet: it starts without it (_run_allreduce_inplace_)
+                self._absent_early.setdefault(held, set()).add(remote)
 
     async def rpc_download_state(
         self, request: averaging_pb2.DownloadRequest, context: P2PContext
@@ -985,11 +1052,7 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
         refused_at = self._refused_at.get(peer.to_base58(), -math.inf)
         if fault == Fault.STALLED and time.monotonic() - refused_at < _REFUSAL_MEMORY_S:
             return  # it did not stall: we refused it (hivemind then counts it as a sender that never came)
-        if fault == Fault.ABSENT:
-            self._left_out.for_round(peer.to_base58(), self._round)
-            until: float = self._round
-        else:
-            until = self._left_out.fault(peer.to_base58(), fault, self._round)
+        until = self._left_out.fault(peer.to_base58(), fault, self._round)
         log.warning(
             "left a groupmate out",
             peer=peer.to_base58(),
@@ -1008,12 +1071,24 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
         """hivemind's registration of the group we are about to average with (under :meth:`_as_agreed`'s id);
         its members are groupmates (admitted by ``_admit``) from this moment, before our all-reduce starts."""
         group_info = self._as_agreed(group_info)
-        self._groupmates[group_info.group_id] = set(group_info.peer_ids)
+        group_id = group_info.group_id
+        self._groupmates[group_id] = set(group_info.peer_ids)
+        self._held_ids.append(group_id)
         try:
             with super()._register_allreduce_group(group_info):
-                yield
+                try:
+                    yield
+                finally:
+                    # Given up before our runner was made (a groupmate we left out, a malformed join): hivemind
+                    # drops the future unresolved, and a groupmate's part that waits on it would wait until
+                    # its sender took us for a staller. It is answered BAD_GROUP_ID (rpc_aggregate_part).
+                    future = self._running_groups.get(group_id)
+                    if future is not None and not future.done():
+                        future.set_exception(NotInGroup("the group was given up"))
+                        future.exception()  # retrieved: nobody need wait on it
         finally:
-            self._groupmates.pop(group_info.group_id, None)
+            self._groupmates.pop(group_id, None)
+            self._absent_early.pop(group_id, None)
 
     async def _aggregate_with_group(self, group_info, min_vector_size: int, **kwargs):
         formed = time.monotonic()
@@ -1024,7 +1099,13 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
             raise AllreduceException(
                 f"the group holds {excluded[0]}, whom we left out of round {self._round}"
             )
-        group_info = checked_group(self._as_agreed(group_info), self.peer_id, self.mode, self.serializer)
+        try:
+            group_info = checked_group(self._as_agreed(group_info), self.peer_id, self.mode, self.serializer)
+        except MalformedJoin as e:
+            if e.peer != self.peer_id:  # ours, malformed, is the leader's doing: we know what we sent
+                self._on_fault(e.peer, Fault.MALFORMED_JOIN, str(e))
+            # hivemind pickles the step's error to the trainer's process: one that unpickles as it pickled.
+            raise AllreduceException(str(e)) from None
         gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
         self._last_allreduce.refused = self._left_out.for_good()
         self._last_allreduce.stalled = self._left_out.for_a_while(self._round)
@@ -1044,6 +1125,8 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
         )
         assert group_id in self._running_groups, f"group {group_id} was not registered"
         self._running_groups[group_id].set_result(runner)
+        for peer in self._absent_early.pop(group_id, ()):
+            await runner.mark_absent(peer, "it sent its parts under another group's id")
         if runner.modes[group_info.peer_ids.index(self.peer_id)] == AveragingMode.AUX:
             async for _ in runner:
                 raise ValueError("auxiliary peers do not receive averages")

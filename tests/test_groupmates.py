@@ -63,6 +63,12 @@ def test_stalls_leave_a_peer_out_of_16_rounds_then_twice_as_many_counted_once_pe
     assert left.for_good() == ["s"] and left.for_a_while(21) == []
     left.for_round("v", 30)  # a verdict's: that round only
     assert left.for_a_while(30) == []
+    # Holding no such group, or a malformed join: the round's retry goes without it, and no stall is counted.
+    for fault in (Fault.ABSENT, Fault.MALFORMED_JOIN):
+        assert left.fault("a", fault, round=40) == 40
+        assert left.excludes("a", 40) and not left.excludes("a", 41)
+    assert left.fault("a", Fault.STALLED, round=41) == 56  # its first stall: 16 rounds
+    assert left.fault("s", Fault.ABSENT, round=22) == math.inf  # never shortens a longer exclusion
 
 
 def _group(*entries):
@@ -93,6 +99,14 @@ def test_a_group_cuts_the_vector_equally_whatever_bandwidth_its_leader_relays():
     assert load_balance_peers(3000, [b if m == node else 0.0 for b, m, _ in checked]) == (1000, 1000, 0, 1000)
 
 
+def _swallowed(*fields: bytes) -> bytes:
+    """A group id that holds ``fields`` as agreed_group would have hashed them after a shorter one."""
+    out = fields[0]
+    for f in fields[1:]:
+        out += len(f).to_bytes(8, "big") + f
+    return out
+
+
 def test_members_told_different_groups_average_under_different_ids():
     """The id a group is averaged under commits to its leader's id, its members in order and what each joined
     with: members a leader told different groups hold different ids (and say so to each other)."""
@@ -110,8 +124,10 @@ def test_members_told_different_groups_average_under_different_ids():
         GroupInfo(b"g", ids[1:] + ids[:1], group.gathered[1:] + group.gathered[:1]),  # another order
         GroupInfo(b"g", ids[:2], group.gathered[:2]),  # a member left out
         _group([None, node, b"a"], [None, client, b"b"], [None, node, b"c"])[0],  # a member demoted
-        # Where one field ends and the next begins counts too.
+        # Where one field ends and the next begins counts too: a longer leader's id that swallows a byte of
+        # the first member's id, or (found by a review) the whole first member, for one member fewer.
         GroupInfo(b"g" + ids[0].to_bytes()[:1], (PeerID(ids[0].to_bytes()[1:]),) + ids[1:], group.gathered),
+        GroupInfo(_swallowed(b"g", ids[0].to_bytes(), group.gathered[0]), ids[1:], group.gathered[1:]),
     ]
     assert len({told.group_id} | {agreed_group(lie).group_id for lie in lies}) == 1 + len(lies)
 
@@ -121,7 +137,7 @@ def test_a_leader_that_demotes_us_or_relays_malformed_joins_is_refused():
     from hivemind.averaging.allreduce import AllreduceException
     from hivemind.utils import MSGPackSerializer as S
 
-    from p2ptrain.averaging import AveragingMode, checked_group
+    from p2ptrain.averaging import AveragingMode, MalformedJoin, checked_group
 
     node, client = AveragingMode.NODE.value, AveragingMode.CLIENT.value
     ok = S.dumps({"round": 1})
@@ -130,8 +146,9 @@ def test_a_leader_that_demotes_us_or_relays_malformed_joins_is_refused():
         checked_group(group, ids[0], AveragingMode.NODE, S)
     for bad in (["fast", node, ok], [None, 7, ok], [None, node, "text"], "junk", [None, node]):
         group, ids = _group([None, node, ok], bad)
-        with pytest.raises(AllreduceException, match=f"{ids[1]} joined the group with malformed data"):
+        with pytest.raises(MalformedJoin, match=f"{ids[1]} joined the group with malformed data") as e:
             checked_group(group, ids[0], AveragingMode.NODE, S)
+        assert e.value.peer == ids[1]  # whom the retry goes without
     group, ids = _group([None, client, ok], [None, client, ok])
     with pytest.raises(AllreduceException, match="every member of the group is a client"):
         checked_group(group, ids[0], AveragingMode.CLIENT, S)

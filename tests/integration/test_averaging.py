@@ -96,7 +96,17 @@ class LeaderThatReorders(LeaderThatLies):
     lie = "reorder"
 
 
+class JoinsMalformedInRound5(ExactAverager):
+    """Joins every group of round 5 with join data that does not decode (invalid msgpack)."""
+
+    async def _step(self, *, step, future_for_init):
+        if self._round == 5:
+            step._data_for_gather = b"\xc1"
+        return await super()._step(step=step, future_for_init=future_for_init)
+
+
 DiesAfterServingOnePart.__name__ = DiesAfterTheFirstChunk.__name__ = ExactAverager.__name__
+JoinsMalformedInRound5.__name__ = ExactAverager.__name__
 LeaderThatLies.__name__ = LeaderThatReorders.__name__ = ExactAverager.__name__
 
 
@@ -495,3 +505,36 @@ def test_a_follower_the_leader_withholds_the_group_from_or_lies_to_is_left_out_o
             expected = sum(xs[j][0] for j in counted) / len(counted)
             torch.testing.assert_close(r.tensors[0], expected)
             assert torch.equal(r.tensors[0], results[counted[0]].tensors[0])
+
+
+def test_a_member_that_joins_with_malformed_data_is_left_out_of_that_rounds_retry_only(swarm_of):
+    """Every member refuses a group whose join data does not decode, and used to retry the round with the
+    same joiner in it: a member that joins malformed every time voided every attempt of the round. Now the
+    retry goes without it (it, or the leader that relayed it, is at fault: nobody can tell which), and the
+    next round, where it joins well formed, with it."""
+    shapes = [torch.Size([300_000])]
+    averagers = swarm_of(
+        3,
+        classes=[ExactAverager, ExactAverager, JoinsMalformedInRound5],
+        retries=1,
+        compression="none",
+        aggregator="mean",
+        shapes=shapes,
+    )
+    ids = [a.peer_id for a in averagers]
+    torch.manual_seed(0)
+    xs = [[torch.randn(s) for s in shapes] for _ in range(3)]
+    for round_ in (5, 6):
+        for a in averagers:
+            a.expect_group(ids)
+        results = run_parallel(
+            [lambda a=a, x=x, r=round_: a.average(x, weight=1.0, round=r) for a, x in zip(averagers, xs)]
+        )
+        seen = [r if isinstance(r, Exception) else (r.peers, r.stalled, r.refused) for r in results]
+        counted = [0, 1] if round_ == 5 else [0, 1, 2]
+        for i in counted:
+            r = results[i]
+            assert not isinstance(r, Exception), (round_, ids, seen)
+            assert sorted(r.peers) == sorted(ids[j] for j in counted), (round_, ids, seen)
+            assert r.stalled == [] and r.refused == [], (round_, ids, seen)
+            torch.testing.assert_close(r.tensors[0], sum(xs[j][0] for j in counted) / len(counted))
