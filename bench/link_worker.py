@@ -127,7 +127,7 @@ def hivemind(args) -> list[float]:
                 if others or time.monotonic() > deadline:
                     break
                 time.sleep(0.01)
-            averager.expect_group(sorted([board.peer_id, *others]))
+            averager.expect_group(sorted([board.peer_id, *others]), r)
             t0 = time.perf_counter()
             result = averager.average(x, weight=1.0, round=r)
             if r:

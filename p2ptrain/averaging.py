@@ -19,8 +19,9 @@ Changes to hivemind 1.1.12's averager, each for a reason:
   its group nor lets it join ours. Only members of the run may call the averager at all (``_admit``).
 * **Groups the barrier names.** The barrier already knows who is in the round, so the first attempt of a
   round's all-reduce skips hivemind's search of the DHT for a leader (every member polls the matchmaking key,
-  each poll answered with every member's declaration): every member asks the group's lowest peer id to lead
-  it, and that leader starts once all have joined (:class:`BarrierLeaders`). A retry searches as hivemind does.
+  each poll answered with every member's declaration): every member asks the round's leader
+  (:func:`barrier_leader`: the id that hashes lowest with the round) to lead it, and that leader starts once
+  all have joined (:class:`BarrierLeaders`). A retry searches as hivemind does.
 * **Robust reducers.** A part that passes those checks may still be wrong (ten times a pseudo-gradient,
   sign flipped). Reducers combine parts with ``averaging.aggregator`` (CenteredClip by default,
   ``aggregation.py``) instead of hivemind's running weighted sum (:class:`RobustPartReducer`).
@@ -224,8 +225,12 @@ class ExactAllReduceRunner(AllReduceRunner):
 
             def _deserialize(item):
                 index, msg = item
+                code = averaging_pb2.MessageCode.Name(msg.code)
+                if msg.code in (averaging_pb2.BAD_GROUP_ID, averaging_pb2.CANCELLED):
+                    raise NotInGroup(f"{peer_id} answered {code}")
                 if msg.code != averaging_pb2.AVERAGED_PART:
-                    raise NotInGroup(f"{peer_id} answered {averaging_pb2.MessageCode.Name(msg.code)}")
+                    # INTERNAL_ERROR is also what a reducer answers when we, the sender, were too slow.
+                    raise AllreduceException(f"{peer_id} sent {code}")
                 self.bytes_received += len(msg.tensor_part.buffer)
                 return _decoded(msg.tensor_part, _nth(expected, index))
 
@@ -500,7 +505,8 @@ class Fault(str, Enum):
     ABSENT = "absent"
     """Is not averaging our group: it said it holds no such group (it never got the group from the leader,
     whose answer came after its matchmaking gave up or never came, or the leader told it another group than
-    ours) or that it gave the group up, or it sent its parts under another group's id. Left out of the
+    ours) or that it gave the group up, or it sent its parts under another group's id (or we answered its
+    parts that we hold no such group, and came to hold it a moment later). Left out of the
     round's retry, not longer: nothing it did is known to be wrong, and the leader may be the one at fault."""
     MALFORMED_JOIN = "malformed_join"
     """Its join data, as the leader relayed it, is malformed: the attempt is void. Left out of the round's
@@ -555,10 +561,23 @@ _FIRST_ASK_AGAIN_S = 0.05
 """How soon a follower asks its named leader again after a refusal (then twice as late each time)."""
 
 
+def barrier_leader(peers: Sequence[str], round: int, *, rotating: bool = True) -> str:
+    """Who leads the group the barrier named for ``round``: the peer whose id hashes lowest with the round
+    (``rotating``, with ``averaging.agreed_groups``), else the lowest id (releases before 2026-12-06).
+
+    A leader can void the attempts it leads (withhold the group from a member, relay a malformed join), and a
+    key holder can make as many identities as it likes: under the lowest id, one ground to sort first would
+    lead every group of the run. Under the hash, a peer leads about one round in N, whichever ids it makes.
+    """
+    if not rotating:
+        return min(peers)
+    return min(peers, key=lambda peer: hashlib.sha256(f"{round}:{peer}".encode()).digest())
+
+
 class BarrierLeaders(PotentialLeaders):
     """hivemind's leader search, unless the trainer named the group (:meth:`name`): then no DHT at all.
 
-    Every member of a named group asks the same leader, the group's lowest peer id (asking again, a little
+    Every member of a named group asks the same leader, :func:`barrier_leader` (asking again, a little
     later each time, while it is not looking for a group yet); the leader asks nobody and takes join requests
     until the group is full (``target_group_size`` is its size) or, past ``min_matchmaking_time``, assembles
     what came. Its expiration is earlier than its followers', as hivemind's leaders' are (it refuses a
@@ -669,8 +688,8 @@ class LeftOut:
 
 
 class NotInGroup(AllreduceException):
-    """A groupmate answered with a code, not an averaged part: BAD_GROUP_ID (it holds no group of this id), or
-    CANCELLED or an error (it is not averaging this group): ``Fault.ABSENT``."""
+    """A groupmate answered BAD_GROUP_ID (it holds no group of this id) or CANCELLED (it gave the group up),
+    not an averaged part: ``Fault.ABSENT``."""
 
 
 class MalformedJoin(AllreduceException):
@@ -882,6 +901,11 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
             declined = True
             await self._sent_under_another_id(remote, request.group_id)
         if declined:
+            # Should we come to hold this very group after all (our matchmaking ends after the wait), its
+            # runner starts without the caller, which took our answer and sends us nothing more.
+            self._absent_early.setdefault(request.group_id, set()).add(remote)
+            while len(self._absent_early) > 64:  # those of groups we never come to hold
+                self._absent_early.pop(next(iter(self._absent_early)))
             yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)  # the caller's Fault.ABSENT
         # Our last answer may still be on its way: were we to end now, p2pd would reset the stream under it.
         # The caller closes the stream once it has every answer, which ends this handler (cancelled); a caller
@@ -961,18 +985,20 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
         self._round = int(group_bits, 2)  # the round this peer averages in (round_group_bits)
         await super()._set_group_bits(group_bits, future)
 
-    def expect_group(self, peers: Sequence[str]) -> None:
-        """The next all-reduce's group is ``peers`` (us included): its first attempt asks their lowest peer id
-        to lead (:class:`BarrierLeaders`), and the group assembles as soon as all are in (hivemind's
-        ``target_group_size``, which a leader otherwise only reaches by waiting out ``min_matchmaking_time``)."""
+    def expect_group(self, peers: Sequence[str], round: int) -> None:
+        """The all-reduce of ``round`` is with ``peers`` (us included): its first attempt asks
+        :func:`barrier_leader` to lead (:class:`BarrierLeaders`), and the group assembles as soon as all are
+        in (hivemind's ``target_group_size``, which a leader otherwise only reaches by waiting out
+        ``min_matchmaking_time``)."""
         future = MPFuture()
-        self._outer_pipe.send(("_expect_group", [sorted(peers)], dict(future=future)))
+        self._outer_pipe.send(("_expect_group", [sorted(peers), round], dict(future=future)))
         future.result(timeout=_PIPE_TIMEOUT_S)
 
-    async def _expect_group(self, peers: list[str], future: MPFuture) -> None:
+    async def _expect_group(self, peers: list[str], round: int, future: MPFuture) -> None:
         self._matchmaking.target_group_size = len(peers)
         self._guard_matchmaking()
-        self._matchmaking.potential_leaders.name(PeerID.from_base58(min(peers)))
+        leader = barrier_leader(peers, round, rotating=self._agreed_groups)
+        self._matchmaking.potential_leaders.name(PeerID.from_base58(leader))
         future.set_result(None)
 
     async def _step(self, *, step, future_for_init):
@@ -1126,7 +1152,7 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
         assert group_id in self._running_groups, f"group {group_id} was not registered"
         self._running_groups[group_id].set_result(runner)
         for peer in self._absent_early.pop(group_id, ()):
-            await runner.mark_absent(peer, "it sent its parts under another group's id")
+            await runner.mark_absent(peer, "it holds another group, or took our answer that we held none")
         if runner.modes[group_info.peer_ids.index(self.peer_id)] == AveragingMode.AUX:
             async for _ in runner:
                 raise ValueError("auxiliary peers do not receive averages")
@@ -1384,12 +1410,12 @@ class SwarmAverager:
     def ban(self, peers: Sequence[str]) -> None:
         self._averager.leave_out(peers, math.inf)
 
-    def expect_group(self, peers: Sequence[str]) -> None:
-        """The next all-reduce's group, as the barrier knows it (us included): its first attempt needs no
-        search of the DHT and ends once they are all in, rather than waiting out a timer. A group larger
-        than ``averaging.target_group_size`` is left to hivemind's search."""
+    def expect_group(self, peers: Sequence[str], round: int) -> None:
+        """The all-reduce of ``round`` is with ``peers``, as the barrier knows them (us included): its first
+        attempt needs no search of the DHT and ends once they are all in, rather than waiting out a timer. A
+        group larger than ``averaging.target_group_size`` is left to hivemind's search."""
         if len(peers) <= self.cfg.target_group_size:
-            self._averager.expect_group(peers)
+            self._averager.expect_group(peers, round)
 
     def download_state(self, donors: Sequence[str], timeout: float):
         return self._averager.download_state_from(donors, timeout)

@@ -72,9 +72,9 @@ class PeerAverager(Protocol):
         """(donor, metadata, tensors) from the first donor that serves its state, or None."""
         ...
 
-    def expect_group(self, peers: Sequence[str]) -> None:
-        """The next all-reduce's group, as the barrier knows it (us included): matchmaking ends once they
-        have joined, rather than waiting out ``averaging.matchmaking_time_s``."""
+    def expect_group(self, peers: Sequence[str], round: int) -> None:
+        """The all-reduce of ``round`` is with ``peers``, as the barrier knows them (us included):
+        matchmaking ends once they have joined, rather than waiting out ``averaging.matchmaking_time_s``."""
 
     def leave_out(
         self,

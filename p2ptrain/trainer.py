@@ -1269,7 +1269,7 @@ class Trainer:
         round_ = self.round
         if not alone:
             # The barrier's group: nobody searches for it, nobody waits out a timer.
-            self.averager.expect_group([self.peer_id, *(r.peer_id for r in group)])
+            self.averager.expect_group([self.peer_id, *(r.peer_id for r in group)], round_)
         with self._waiting() as waiting:
             waiting.update(f"round {round_}: averaging", peers=len(group) + 1)
             report = self.diloco.sync(

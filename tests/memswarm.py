@@ -352,7 +352,7 @@ class MemoryAverager:
                 return (donor_id, *got)
         return None
 
-    def expect_group(self, peers) -> None:
+    def expect_group(self, peers, round: int) -> None:
         self._expected = len(peers)
 
     def leave_out(self, peers, round: int, weights=None, sealed=None) -> None:

@@ -189,3 +189,19 @@ def test_a_message_announced_longer_than_the_limit_is_not_read():
     assert asyncio.run(read(5, b"hello")) == b"hello"
     with pytest.raises(asyncio.IncompleteReadError):  # ends as a closed stream does, without reading on
         asyncio.run(read(MAX_MESSAGE_BYTES + 1, b"x" * 1000))
+
+
+def test_the_barriers_leader_rotates_with_the_round_whatever_ids_a_peer_makes():
+    """Under the lowest id, one identity ground to sort first would lead (and could void) every group of the
+    run; under a hash of the round and the id, every peer leads about one round in N."""
+    from collections import Counter
+
+    from p2ptrain.averaging import barrier_leader
+
+    peers = [f"QmA{i:02d}" for i in range(4)]
+    led = Counter(barrier_leader(peers, r) for r in range(400))
+    assert set(led) == set(peers) and min(led.values()) > 60, led  # about 100 each
+    assert barrier_leader(list(reversed(peers)), 7) == barrier_leader(peers, 7)  # every member names the same
+    ground = "Qm0"  # sorts before every other id
+    assert Counter(barrier_leader([*peers, ground], r) for r in range(400))[ground] < 120
+    assert all(barrier_leader([*peers, ground], r, rotating=False) == ground for r in range(5))

@@ -14,7 +14,13 @@ from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 
 from bench.hostile import Staller
-from p2ptrain.averaging import ExactAllReduceRunner, ExactAverager, SwarmAverager, round_group_bits
+from p2ptrain.averaging import (
+    ExactAllReduceRunner,
+    ExactAverager,
+    SwarmAverager,
+    barrier_leader,
+    round_group_bits,
+)
 from p2ptrain.compression import layout_for
 from p2ptrain.config import AveragingConfig, SwarmConfig
 from p2ptrain.diloco import AveragingFailed, Snapshot
@@ -207,7 +213,7 @@ def test_three_peers_get_bit_identical_weighted_average(swarm_of):
 
 
 def test_a_group_the_barrier_names_is_formed_without_searching_the_dht(swarm_of):
-    """The barrier knows the group: its members ask the lowest peer id to lead, and none of them declares
+    """The barrier knows the group: its members ask the round's leader (barrier_leader), and none declares
     itself under the round's matchmaking key (every hivemind search polls that key, each poll answered with
     every member's declaration). A round nobody named is searched for as hivemind does."""
     averagers = swarm_of(3, target_group_size=64, matchmaking_time_s=2.0)
@@ -219,7 +225,7 @@ def test_a_group_the_barrier_names_is_formed_without_searching_the_dht(swarm_of)
         return {} if found is None else found.value
 
     for a in averagers:
-        a.expect_group(group)
+        a.expect_group(group, 6)
     named = run_parallel([lambda a=a: a.average(x, weight=1, round=6) for a in averagers])
     assert all(not isinstance(r, Exception) and r.group_size == 3 for r in named), named
     assert declared(6) == {}
@@ -485,13 +491,13 @@ def test_a_follower_the_leader_withholds_the_group_from_or_lies_to_is_left_out_o
         shapes=shapes,
     )
     ids = [a.peer_id for a in averagers]
-    head = min(ids)  # expect_group names the lowest id to lead
+    head = barrier_leader(ids, 5)  # whom expect_group names to lead round 5
     victim = max((i for i in ids if i != head), key=lambda i: PeerID.from_base58(i).to_bytes())
     torch.manual_seed(0)
     xs = [[torch.randn(s) for s in shapes] for _ in range(3)]
     for round_ in (5, 6):
         for a in averagers:
-            a.expect_group(ids)
+            a.expect_group(ids, round_)
         results = run_parallel(
             [lambda a=a, x=x, r=round_: a.average(x, weight=1.0, round=r) for a, x in zip(averagers, xs)]
         )
@@ -526,7 +532,7 @@ def test_a_member_that_joins_with_malformed_data_is_left_out_of_that_rounds_retr
     xs = [[torch.randn(s) for s in shapes] for _ in range(3)]
     for round_ in (5, 6):
         for a in averagers:
-            a.expect_group(ids)
+            a.expect_group(ids, round_)
         results = run_parallel(
             [lambda a=a, x=x, r=round_: a.average(x, weight=1.0, round=r) for a, x in zip(averagers, xs)]
         )
