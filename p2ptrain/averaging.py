@@ -807,6 +807,8 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
         self._absent_early: dict[bytes, set[PeerID]] = {}
         """Groupmates found to hold another group before our runner was made (``_sent_under_another_id``)."""
         self._refused = Throttle()
+        self._roster: tuple[int, frozenset[str]] = (-1, frozenset())
+        """The round ``expect_group`` named last, and its group: whom we admit to a group we lead then."""
         super().__init__(*args, **kwargs)
 
     async def _admit(self, remote: PeerID, rpc: str) -> None:
@@ -870,6 +872,11 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
         await self._admit(context.remote_id, "to let it join a group")
         if self._left_out_now(context.remote_id):
             raise PermissionError(f"{self.peer_id} left {context.remote_id} out of round {self._round}")
+        named, roster = self._roster
+        if named == self._round and context.remote_id.to_base58() not in roster:
+            # The group's size is the roster's (target_group_size): a member of the run that is not on it
+            # (a peer the barrier went without, or one that wants a seat) would take a rostered peer's seat.
+            raise PermissionError(f"{self.peer_id} has no seat for {context.remote_id} in round {named}")
         async for message in super().rpc_join_group(request, context):
             yield message
 
@@ -996,6 +1003,7 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
 
     async def _expect_group(self, peers: list[str], round: int, future: MPFuture) -> None:
         self._matchmaking.target_group_size = len(peers)
+        self._roster = (round, frozenset(peers))
         self._guard_matchmaking()
         leader = barrier_leader(peers, round, rotating=self._agreed_groups)
         self._matchmaking.potential_leaders.name(PeerID.from_base58(leader))

@@ -234,6 +234,38 @@ def test_a_group_the_barrier_names_is_formed_without_searching_the_dht(swarm_of)
     assert len(declared(7)) == 3
 
 
+def test_a_member_of_the_run_off_the_rounds_roster_takes_no_seat_in_its_named_group(swarm_of):
+    """A named group is as large as the barrier's roster, and its leader took whoever asked first: a member
+    of the run of the same round that was not on the roster (a peer the barrier went without, or an insider
+    that asks early for a seat) took a rostered peer's seat, and that peer's work was lost for the round.
+    The leader now seats only peers on its roster."""
+    averagers = swarm_of(4, matchmaking_time_s=4.0, matchmaking_timeout_s=8.0, retries=0)
+    roster = [a.peer_id for a in averagers[:3]]
+    leader = next(a for a in averagers if a.peer_id == barrier_leader(roster, 5))
+    late = [a for a in averagers[:3] if a is not leader]
+    intruder = averagers[3]
+    for a in averagers:  # the intruder names the same leader, to ask it for a seat
+        a.expect_group(roster, 5)
+    x = [torch.ones(s) for s in SHAPES]
+    out: dict[str, object] = {}
+
+    def average(a, delay_s: float = 0.0) -> None:
+        time.sleep(delay_s)  # the intruder asks first (it would have had a seat before): not asserted on
+        try:
+            out[a.peer_id] = a.average(x, weight=1, round=5)
+        except Exception as e:  # asserted on below
+            out[a.peer_id] = e
+
+    run_parallel(
+        [lambda: average(intruder), lambda: average(leader)] + [lambda a=a: average(a, 1.0) for a in late]
+    )
+    for peer in roster:
+        r = out[peer]
+        assert not isinstance(r, Exception), (peer, out)
+        assert sorted(r.peers) == sorted(roster), (peer, r.peers, intruder.peer_id)
+    assert isinstance(out[intruder.peer_id], AveragingFailed), out
+
+
 def test_peers_of_different_rounds_never_average(swarm_of):
     averagers = swarm_of(2)
     x = [torch.ones(s) for s in SHAPES]
