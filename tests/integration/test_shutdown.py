@@ -10,6 +10,8 @@ import uuid
 
 import pytest
 
+from p2ptrain.config import SwarmConfig
+from p2ptrain.swarm import create_dht, stop_dht
 from tests.integration.conftest import children_of, join_args, processes_named, wait_until_gone
 
 pytestmark = pytest.mark.integration
@@ -126,3 +128,17 @@ def test_ctrl_c_at_the_demo_stops_each_peer_once_and_cleanly(tmp_path):
     finally:
         if demo.poll() is None:
             os.killpg(demo.pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_a_dht_child_killed_hard_takes_its_p2pd_with_it(sig):
+    """hivemind's DHT.shutdown SIGTERMs a child that has not shut down cleanly within its grace period (no
+    clean shutdown of p2pd then), and the kernel's OOM killer SIGKILLs: p2pd must not outlive it either."""
+    dht = create_dht(SwarmConfig(host_maddrs=["/ip4/127.0.0.1/tcp/0"]))
+    try:
+        daemons = children_of(dht.pid) & processes_named("p2pd")
+        assert daemons, "the DHT child started no p2pd"
+        os.kill(dht.pid, sig)
+        assert not wait_until_gone(daemons, timeout_s=30), "p2pd outlived its DHT child"
+    finally:
+        stop_dht(dht)
