@@ -807,8 +807,8 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
         self._absent_early: dict[bytes, set[PeerID]] = {}
         """Groupmates found to hold another group before our runner was made (``_sent_under_another_id``)."""
         self._refused = Throttle()
-        self._roster: tuple[int, frozenset[str]] = (-1, frozenset())
-        """The round ``expect_group`` named last, and its group: whom we admit to a group we lead then."""
+        self._roster: tuple[int, frozenset[str]] | None = None
+        """The round ``expect_group`` named last, and its group: whom we seat in a group we lead then."""
         super().__init__(*args, **kwargs)
 
     async def _admit(self, remote: PeerID, rpc: str) -> None:
@@ -872,11 +872,14 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
         await self._admit(context.remote_id, "to let it join a group")
         if self._left_out_now(context.remote_id):
             raise PermissionError(f"{self.peer_id} left {context.remote_id} out of round {self._round}")
-        named, roster = self._roster
-        if named == self._round and context.remote_id.to_base58() not in roster:
-            # The group's size is the roster's (target_group_size): a member of the run that is not on it
-            # (a peer the barrier went without, or one that wants a seat) would take a rostered peer's seat.
-            raise PermissionError(f"{self.peer_id} has no seat for {context.remote_id} in round {named}")
+        roster = self._roster
+        if roster is not None and roster[0] == self._round and context.remote_id.to_base58() not in roster[1]:
+            # The group is as large as the roster (target_group_size): a member of the run that is not on it
+            # (a peer the barrier went without, or one after a seat) would take a rostered peer's seat.
+            # Answered as a full group is (an error would log a traceback here at every ask).
+            log.debug("no seat for a peer off the round's roster", peer=str(context.remote_id))
+            yield averaging_pb2.MessageFromLeader(code=averaging_pb2.GROUP_IS_FULL)
+            return
         async for message in super().rpc_join_group(request, context):
             yield message
 
@@ -1002,9 +1005,15 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
         future.result(timeout=_PIPE_TIMEOUT_S)
 
     async def _expect_group(self, peers: list[str], round: int, future: MPFuture) -> None:
-        self._matchmaking.target_group_size = len(peers)
         self._roster = (round, frozenset(peers))
         self._guard_matchmaking()
+        if len(peers) > self.matchmaking_kwargs["target_group_size"]:
+            # Too large for one group: hivemind's search, for groups of the configured size (not the size of
+            # the last roster we named), each seating peers of this roster only.
+            self._matchmaking.target_group_size = self.matchmaking_kwargs["target_group_size"]
+            future.set_result(None)
+            return
+        self._matchmaking.target_group_size = len(peers)
         leader = barrier_leader(peers, round, rotating=self._agreed_groups)
         self._matchmaking.potential_leaders.name(PeerID.from_base58(leader))
         future.set_result(None)
@@ -1422,8 +1431,7 @@ class SwarmAverager:
         """The all-reduce of ``round`` is with ``peers``, as the barrier knows them (us included): its first
         attempt needs no search of the DHT and ends once they are all in, rather than waiting out a timer. A
         group larger than ``averaging.target_group_size`` is left to hivemind's search."""
-        if len(peers) <= self.cfg.target_group_size:
-            self._averager.expect_group(peers, round)
+        self._averager.expect_group(peers, round)
 
     def download_state(self, donors: Sequence[str], timeout: float):
         return self._averager.download_state_from(donors, timeout)
