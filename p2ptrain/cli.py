@@ -247,8 +247,15 @@ ExitWithParentOpt = Annotated[
 
 def exit_with_parent() -> None:
     """Send ourselves SIGTERM (a clean stop, through :func:`install_stop_handlers`) once the process that
-    started us is gone: a demo or test run that is killed takes its peers with it."""
-    from p2ptrain.procs import on_parent_exit
+    started us is gone: a demo or test run that is killed takes its peers with it.
+
+    The starter names itself in ``P2PTRAIN_PARENT_PID`` (``localswarm.PeerProcess`` does): one killed while we
+    were still starting up (seconds of imports) has already handed us to init, and our parent then would be
+    init, which never exits: a peer trained to its last round with nobody to stop it."""
+    from p2ptrain.procs import PARENT_PID_ENV, on_parent_exit
+
+    named = os.environ.pop(PARENT_PID_ENV, "")  # ours only: not our children's
+    parent = int(named) if named.isascii() and named.isdigit() else os.getppid()
 
     def stop() -> None:
         # Our output went to pipes that it read: written to now, they would break the clean stop.
@@ -257,7 +264,7 @@ def exit_with_parent() -> None:
             os.dup2(devnull, fd)
         os.kill(os.getpid(), signal.SIGTERM)
 
-    on_parent_exit(os.getppid(), stop)
+    on_parent_exit(parent, stop)
 
 
 @app.command()

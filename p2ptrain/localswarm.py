@@ -20,6 +20,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from p2ptrain.procs import PARENT_PID_ENV
+
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 
 
@@ -66,7 +68,7 @@ class PeerProcess:
             stderr=subprocess.PIPE,
             text=True,
             bufsize=1,
-            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+            env={**os.environ, "PYTHONUNBUFFERED": "1", PARENT_PID_ENV: str(os.getpid()), **(env or {})},
             # Its own process group: a Ctrl-C at the terminal reaches only us, and we stop it once, cleanly (it
             # would take our SIGTERM after the terminal's SIGINT as a second signal and exit without saving).
             # Not its own session: the kernel shares CPU between sessions (autogroups), and a peer's trainer

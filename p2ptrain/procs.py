@@ -52,6 +52,10 @@ class ParentWatchdog:
         on_parent_exit(self._watched_parent_pid, orphaned)
 
 
+PARENT_PID_ENV = "P2PTRAIN_PARENT_PID"
+"""Where a starter of ``p2ptrain join --exit-with-parent`` names itself (``cli.exit_with_parent``)."""
+
+
 def on_parent_exit(parent: int, callback: Callable[[], None]) -> None:
     """Call ``callback`` in a thread of this process once its parent, ``parent``, is gone."""
 

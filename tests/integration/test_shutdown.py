@@ -91,6 +91,50 @@ def test_a_peer_started_by_a_demo_or_test_that_is_killed_stops_with_it(tmp_path)
                 os.kill(peer_pid, signal.SIGKILL)
 
 
+STARTER = """
+import os, subprocess, sys
+from pathlib import Path
+from p2ptrain.localswarm import PeerProcess
+
+peer = PeerProcess(sys.argv[2:], Path(sys.argv[1]))
+# Something else keeps the peer's output pipes open (as a pipeline's next command would), so that only its
+# watch of its starter can stop it.
+pipes = (peer.proc.stdout.fileno(), peer.proc.stderr.fileno())
+holder = subprocess.Popen(["sleep", "600"], pass_fds=pipes, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+print(peer.proc.pid, holder.pid, flush=True)
+os._exit(0)  # gone long before the peer has imported torch
+"""
+
+
+def test_a_peer_whose_starter_dies_while_it_starts_up_stops_too(tmp_path):
+    """A peer learnt who started it from its parent process id once it had started up (seconds of imports):
+    one whose starter died before then had been handed to init already, watched init, and trained on with
+    nobody to stop it (found in the code). The starter now names itself."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    args = join_args(tmp_path, "peer", f"t{uuid.uuid4().hex[:8]}", "--set", "outer.num_rounds=1000")
+    out = subprocess.run(
+        [sys.executable, "-c", STARTER, str(tmp_path / "peer.log"), *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        check=True,
+    )
+    peer_pid, holder_pid = map(int, out.stdout.split())
+    try:
+        assert not wait_until_gone({peer_pid}, timeout_s=120), "the peer outlived its starter"
+    finally:
+        for kill in (
+            lambda: os.killpg(peer_pid, signal.SIGKILL),
+            lambda: os.kill(holder_pid, signal.SIGKILL),
+        ):
+            with contextlib.suppress(ProcessLookupError):  # a failed test leaves nothing behind
+                kill()
+
+
 def test_ctrl_c_at_the_demo_stops_each_peer_once_and_cleanly(tmp_path):
     """Ctrl-C signals the terminal's whole process group. The peers shared the demo's, so each took the
     terminal's SIGINT and then the demo's SIGTERM as a second signal: exit 143, nothing saved. Each peer
