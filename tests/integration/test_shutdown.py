@@ -135,6 +135,15 @@ def test_a_peer_whose_starter_dies_while_it_starts_up_stops_too(tmp_path):
                 kill()
 
 
+# `p2ptrain` as a terminal's foreground job runs it: Ctrl-C raises KeyboardInterrupt. A test run started in the
+# background by a shell without job control (`make test &` in a script) ignores SIGINT, and a Python started
+# ignoring it keeps ignoring it: the demo would train on through its Ctrl-C.
+AT_A_TERMINAL = (
+    "import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+    "sys.argv[0] = 'p2ptrain'; runpy.run_module('p2ptrain', run_name='__main__', alter_sys=True)"
+)
+
+
 def test_ctrl_c_at_the_demo_stops_each_peer_once_and_cleanly(tmp_path):
     """Ctrl-C signals the terminal's whole process group. The peers shared the demo's, so each took the
     terminal's SIGINT and then the demo's SIGTERM as a second signal: exit 143, nothing saved. Each peer
@@ -145,7 +154,7 @@ def test_ctrl_c_at_the_demo_stops_each_peer_once_and_cleanly(tmp_path):
     from tests.conftest import ROOT
 
     demo = subprocess.Popen(
-        [sys.executable, "-m", "p2ptrain", "demo", "--peers", "2", "--rounds", "1000"]
+        [sys.executable, "-c", AT_A_TERMINAL, "demo", "--peers", "2", "--rounds", "1000"]
         + ["--config", str(ROOT / "configs" / "tiny.yaml"), "--workdir", str(tmp_path)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
