@@ -1007,15 +1007,13 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
     async def _expect_group(self, peers: list[str], round: int, future: MPFuture) -> None:
         self._roster = (round, frozenset(peers))
         self._guard_matchmaking()
-        if len(peers) > self.matchmaking_kwargs["target_group_size"]:
-            # Too large for one group: hivemind's search, for groups of the configured size (not the size of
-            # the last roster we named), each seating peers of this roster only.
-            self._matchmaking.target_group_size = self.matchmaking_kwargs["target_group_size"]
-            future.set_result(None)
-            return
-        self._matchmaking.target_group_size = len(peers)
-        leader = barrier_leader(peers, round, rotating=self._agreed_groups)
-        self._matchmaking.potential_leaders.name(PeerID.from_base58(leader))
+        # A roster too large for one group is left to hivemind's search, for groups of the configured size (not
+        # the size of the last roster we named), each seating peers of this roster only.
+        configured = self.matchmaking_kwargs["target_group_size"]
+        self._matchmaking.target_group_size = min(len(peers), configured)
+        if len(peers) <= configured:
+            leader = barrier_leader(peers, round, rotating=self._agreed_groups)
+            self._matchmaking.potential_leaders.name(PeerID.from_base58(leader))
         future.set_result(None)
 
     async def _step(self, *, step, future_for_init):

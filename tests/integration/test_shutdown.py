@@ -126,13 +126,11 @@ def test_a_peer_whose_starter_dies_while_it_starts_up_stops_too(tmp_path):
     peer_pid, holder_pid = map(int, out.stdout.split())
     try:
         assert not wait_until_gone({peer_pid}, timeout_s=120), "the peer outlived its starter"
-    finally:
-        for kill in (
-            lambda: os.killpg(peer_pid, signal.SIGKILL),
-            lambda: os.kill(holder_pid, signal.SIGKILL),
-        ):
-            with contextlib.suppress(ProcessLookupError):  # a failed test leaves nothing behind
-                kill()
+    finally:  # a failed test leaves nothing behind
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(peer_pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(holder_pid, signal.SIGKILL)
 
 
 # `p2ptrain` as a terminal's foreground job runs it: Ctrl-C raises KeyboardInterrupt. A test run started in the
