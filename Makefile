@@ -54,6 +54,10 @@ bench: $(STAMP)
 	$(BIN)/python -m bench.overlap
 	$(BIN)/python -m bench.overlap --set outer.lr=0.5 --taus 3 --carries 0.5 --out bench/results/overlap-lr0.5.json --block overlap-lr0.5
 	$(BIN)/python -m bench.overlap --set outer.lr=0.9 --taus 3 --carries 0.5 --out bench/results/overlap-lr0.9.json --block overlap-lr0.9
+	$(BIN)/python -m bench.overlap --peers 2 --seeds 0 1 2 3 4 --tau-ranges 1-3 1-15 --draws 2 --out bench/results/overlap-pairs.json --block overlap-pairs
+	$(BIN)/python -m bench.overlap --config configs/tiny.yaml --set outer.num_rounds=5 --peers 2 --seeds 0 1 2 3 4 --tau-ranges 1-2 1-5 --draws 10 --out bench/results/overlap-pairs-tiny.json --block overlap-pairs-tiny
+	$(BIN)/python -m bench.overlap --config configs/tiny.yaml --set outer.num_rounds=5 --peers 2 --seeds 0 1 2 3 4 --tau-ranges 1-2 1-5 --draws 10 --set outer.lr=0.7 --out bench/results/overlap-pairs-tiny-lr0.7.json --block overlap-pairs-tiny-lr0.7
+	$(BIN)/python -m bench.overlap --config configs/tiny.yaml --set outer.num_rounds=5 --peers 2 --seeds 0 1 2 3 4 --tau-ranges 1-2 1-5 --draws 10 --set outer.lr=0.7 --set outer.momentum=0 --out bench/results/overlap-pairs-tiny-lr0.7-m0.json --block overlap-pairs-tiny-lr0.7-m0
 	$(BIN)/python -m bench.data
 	$(BIN)/python -m bench.llama
 	$(BIN)/python -m bench.kinds

@@ -26,10 +26,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import time
 from concurrent.futures import ProcessPoolExecutor
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -45,10 +47,14 @@ from p2ptrain.models import build_model
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def simulate(cfg, peers: int, tau: int, *, keep: bool = True, carry: float = 1.0) -> float:
+def simulate(
+    cfg, peers: int, tau: int | tuple[int, int], *, keep: bool = True, carry: float = 1.0, draw: int = 0
+) -> float:
     """The final validation loss of ``peers`` simulated peers whose syncs each take ``tau`` inner steps,
     trained meanwhile from the local params and carried over (``keep``; the share ``carry`` of them) or thrown
-    away when it lands."""
+    away when it lands. ``tau`` as (lo, hi): each peer's sync of each round takes a number of steps drawn
+    uniformly from lo to hi (its own random numbers, seeded by the run's seed and ``draw``), as the machine's
+    timing has it in a real swarm, where each peer's sync lands when its own averager is done."""
     corpus = Corpus.from_bytes(load_corpus(cfg.data), cfg.model.context_length, cfg.data.val_fraction)
     models = [build_model(cfg.model.name, cfg.model.context_length, seed=cfg.run.seed) for _ in range(peers)]
     outer = [
@@ -59,6 +65,9 @@ def simulate(cfg, peers: int, tau: int, *, keep: bool = True, carry: float = 1.0
     H, rounds = cfg.inner.num_inner_steps, cfg.outer.num_rounds
     steps = [0] * peers
     batches: dict[tuple[int, int], object] = {}
+    lo, hi = tau if isinstance(tau, tuple) else (tau, tau)
+    draws = random.Random(f"{cfg.run.seed}:{draw}")
+    stale = [0] * peers  # each peer's steps of the round trained before its last sync landed
 
     def train(i: int, r: int, n: int) -> None:
         if (i, r) not in batches:
@@ -71,8 +80,8 @@ def simulate(cfg, peers: int, tau: int, *, keep: bool = True, carry: float = 1.0
             steps[i] += 1
 
     for r in range(rounds):
-        for i in range(peers):  # the round's steps left: its first τ ran while the last round was averaged
-            train(i, r, H if r == 0 or tau == 0 else H - tau)
+        for i in range(peers):  # the round's steps left: its first ones ran while the last round was averaged
+            train(i, r, H - stale[i])
         for o in outer:
             o.detach()
         group = _Group()
@@ -81,9 +90,10 @@ def simulate(cfg, peers: int, tau: int, *, keep: bool = True, carry: float = 1.0
         group.result = [sum(ts) / peers for ts in zip(*deltas)]
         for o in outer:
             o.sync(group, weight=1.0, round=r)
-        if tau and r < rounds - 1:
+        if r < rounds - 1:
+            stale = [draws.randint(lo, hi) for _ in range(peers)]
             for i in range(peers):
-                train(i, r + 1, tau)
+                train(i, r + 1, stale[i])
         for o in outer:
             if not keep:
                 o.reset_model()  # detached: the steps taken since are dropped when it lands
@@ -95,19 +105,31 @@ _OWN_KEYS = {"run.seed", "outer.overlap", "outer.overlap_carry"}
 """Set by the bench for each run (``--seeds``, ``--taus``, ``--carries``): ``--set`` may not change them."""
 
 
-def _experiment(sets: list[str]):
-    return load_config(ROOT / "configs" / "default.yaml", parse_set(sets))
+def _experiment(config: Path, sets: list[str]):
+    return load_config(config, parse_set(sets))
 
 
-def _run(
-    peers: int, sets: list[str], job: tuple[int, int, str, float]
-) -> tuple[tuple[int, int, str, float], float]:
-    """One simulation in a worker process: (seed, τ, "carried_over" | "thrown_away" | "none", carry)."""
+Job = tuple[int, "int | tuple[int, int]", str, float, int]
+"""(seed, τ or the range it is drawn from, "carried_over" | "thrown_away" | "none", carry, draw)."""
+
+
+def _run(peers: int, config: Path, sets: list[str], job: Job) -> tuple[Job, float]:
+    """One simulation in a worker process."""
     torch.set_num_threads(1)
-    seed, tau, how, carry = job
-    default = _experiment(sets)
+    seed, tau, how, carry, draw = job
+    default = _experiment(config, sets)
     cfg = default.model_copy(update={"run": default.run.model_copy(update={"seed": seed})})
-    return job, simulate(cfg, peers, tau, keep=how != "thrown_away", carry=carry)
+    return job, simulate(cfg, peers, tau, keep=how != "thrown_away", carry=carry, draw=draw)
+
+
+def mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs)
+
+
+def spread(xs: list[float]) -> float:
+    """The standard error of the mean of ``xs`` (one per seed)."""
+    m = mean(xs)
+    return (sum((x - m) ** 2 for x in xs) / (len(xs) - 1) / len(xs)) ** 0.5 if len(xs) > 1 else 0.0
 
 
 def _label(how: str, carry: float) -> str:
@@ -122,47 +144,69 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4, 5])
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--set", action="append", default=[], dest="sets", help="section.key=value, every run")
+    ap.add_argument("--config", type=Path, default=ROOT / "configs" / "default.yaml")
+    ap.add_argument(
+        "--tau-ranges",
+        nargs="+",
+        default=[],
+        metavar="LO-HI",
+        help="instead of --taus and --carries: each peer's sync of each round takes τ drawn from LO to HI, "
+        "its steps carried over at the experiment's outer.overlap_carry; --draws runs per seed and range",
+    )
+    ap.add_argument("--draws", type=int, default=2)
     ap.add_argument("--out", type=Path, default=RESULTS / "overlap.json")
     ap.add_argument("--block", default="overlap", help="the table in docs/benchmarks.md to write")
     args = ap.parse_args()
     for item in args.sets:  # what the bench sets itself per run would silently win over these
         if item.partition("=")[0].strip() in _OWN_KEYS:
             ap.error(f"--set {item}: the bench sets it per run (--seeds, --taus, --carries)")
-    if args.sets and (args.out == RESULTS / "overlap.json" or args.block == "overlap"):
+    own = args.sets or args.tau_ranges or args.peers != 3 or args.config.name != "default.yaml"
+    if own and (args.out == RESULTS / "overlap.json" or args.block == "overlap"):
         ap.error(
-            "--set needs an --out and a --block of its own (the default experiment's table stays as it is)"
+            "--set, --config, --peers and --tau-ranges need an --out and a --block of their own (the "
+            "default experiment's table stays as it is)"
         )
     if f"<!-- {args.block}:start -->" not in DOC.read_text():  # before the runs, not after them
         ap.error(f"--block {args.block}: {DOC} has no <!-- {args.block}:start --> marker")
-    default = _experiment(args.sets)
+    ranges = []
+    for item in args.tau_ranges:
+        lo, _, hi = item.partition("-")
+        if not (lo.isdigit() and hi.isdigit() and 1 <= int(lo) <= int(hi)):
+            ap.error(f"--tau-ranges {item}: expected LO-HI, whole numbers with 1 <= LO <= HI")
+        ranges.append((int(lo), int(hi)))
+    default = _experiment(args.config, args.sets)
     t0 = time.monotonic()
-    jobs = [(seed, 0, "none", 1.0) for seed in args.seeds]
+    jobs: list[Job] = [(seed, 0, "none", 1.0, 0) for seed in args.seeds]
     for seed in args.seeds:
+        if ranges:
+            share = default.outer.overlap_carry
+            jobs += [(seed, r, "carried_over", share, d) for r in ranges for d in range(args.draws)]
+            continue
         for tau in args.taus:
-            jobs += [(seed, tau, "carried_over", c) for c in args.carries]
-            jobs.append((seed, tau, "thrown_away", 1.0))
-    done: dict[tuple[int, int, str, float], float] = {}
+            jobs += [(seed, tau, "carried_over", c, 0) for c in args.carries]
+            jobs.append((seed, tau, "thrown_away", 1.0, 0))
+    done: dict[Job, float] = {}
     with ProcessPoolExecutor(max_workers=args.workers) as pool:
-        for job, loss in pool.map(partial(_run, args.peers, args.sets), jobs):
+        for job, loss in pool.map(partial(_run, args.peers, args.config, args.sets), jobs):
             done[job] = loss
-            print(f"seed {job[0]}, tau {job[1]}, {_label(job[2], job[3])}: {loss:.4f}", flush=True)
+            print(
+                f"seed {job[0]}, tau {job[1]}, {_label(job[2], job[3])}, draw {job[4]}: {loss:.4f}",
+                flush=True,
+            )
+    if ranges:
+        _drawn(args, default, ranges, done, t0)
+        return
     columns = [("carried_over", c) for c in args.carries] + [("thrown_away", 1.0)]
-    by_seed = {
+    by_seed: dict[int, dict[str, Any]] = {
         seed: {
-            "no_overlap": done[(seed, 0, "none", 1.0)],
+            "no_overlap": done[(seed, 0, "none", 1.0, 0)],
             "runs": [
-                {"tau": tau} | {_label(how, c): done[(seed, tau, how, c)] for how, c in columns}
+                {"tau": tau} | {_label(how, c): done[(seed, tau, how, c, 0)] for how, c in columns}
                 for tau in args.taus
             ],
         }
         for seed in args.seeds
     }
-    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
-
-    def spread(xs: list[float]) -> float:  # the standard error of the mean over seeds
-        m = mean(xs)
-        return (sum((x - m) ** 2 for x in xs) / (len(xs) - 1) / len(xs)) ** 0.5 if len(xs) > 1 else 0.0
-
     rows_by_tau = []
     for i, tau in enumerate(args.taus):
         row: dict = {"tau": tau}
@@ -207,6 +251,91 @@ def main() -> None:
     rows = table(out)
     replace_block(args.block, rows)
     print("\n".join(rows))
+
+
+def _drawn(args, default, ranges: list[tuple[int, int]], done: dict[Job, float], t0: float) -> None:
+    """Write the results of staleness drawn per peer and round (``--tau-ranges``) and their table."""
+    share = default.outer.overlap_carry
+    by_seed: dict[int, dict[str, Any]] = {
+        seed: {
+            "no_overlap": done[(seed, 0, "none", 1.0, 0)],
+            "runs": [
+                {
+                    "tau_range": list(r),
+                    "val_loss": [done[(seed, r, "carried_over", share, d)] for d in range(args.draws)],
+                }
+                for r in ranges
+            ],
+        }
+        for seed in args.seeds
+    }
+    rows = []
+    for i, r in enumerate(ranges):
+        ratios = {
+            seed: [x / s["no_overlap"] for x in s["runs"][i]["val_loss"]] for seed, s in by_seed.items()
+        }
+        per_seed = [
+            mean(rs) for rs in ratios.values()
+        ]  # the seed is the unit: its draws are not independent of it
+        rows.append(
+            {
+                "tau_range": list(r),
+                "ratio": mean(per_seed),
+                "ratio_stderr": spread(per_seed),
+                "worst_ratio": max(x for rs in ratios.values() for x in rs),
+            }
+        )
+    cfg = default
+    out = {
+        "experiment": {
+            "config": args.config.name,
+            "model": cfg.model.name,
+            "peers": args.peers,
+            "rounds": cfg.outer.num_rounds,
+            "inner_steps": cfg.inner.num_inner_steps,
+            "outer": {"lr": cfg.outer.lr, "momentum": cfg.outer.momentum, "nesterov": cfg.outer.nesterov},
+            "overlap_carry": share,
+            "seeds": args.seeds,
+            "draws": args.draws,
+            "overrides": args.sets,
+        },
+        "by_seed": by_seed,
+        "mean_ratios": rows,
+        "seconds": round(time.monotonic() - t0),
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=2) + "\n")
+    lines = drawn_table(out)
+    replace_block(args.block, lines)
+    print("\n".join(lines))
+
+
+def drawn_table(out: dict) -> list[str]:
+    """The table of :func:`_drawn`'s results (``--tau-ranges``)."""
+    e, by_seed = out["experiment"], out["by_seed"]
+    seeds = ", ".join(str(s) for s in by_seed)
+    bases = ", ".join(f"{s['no_overlap']:.3f}" for s in by_seed.values())
+    rows = [
+        f"| each peer's sync takes τ inner steps (of H = {e['inner_steps']}), drawn each round from | val loss by "
+        f"seed ({seeds}; its {e['draws']} draws apart by /) | mean vs no overlap (± s.e. over seeds) | worst run "
+        "vs its seed's without overlap |",
+        "| --- | --- | --- | --- |",
+        f"| 0 (no overlap) | {bases} | 1.000 | — |",
+    ]
+    for i, r in enumerate(out["mean_ratios"]):
+        losses = ", ".join("/".join(f"{x:.3f}" for x in s["runs"][i]["val_loss"]) for s in by_seed.values())
+        lo, hi = r["tau_range"]
+        rows.append(
+            f"| {lo} to {hi} | {losses} | {r['ratio']:.3f} ± {r['ratio_stderr']:.3f} | {r['worst_ratio']:.3f} |"
+        )
+    sets = "".join(f", `{s}`" for s in e["overrides"])
+    rows += [
+        "",
+        f"{e['peers']} simulated peers, `configs/{e['config']}`{sets}: {e['model']}, {e['rounds']} rounds, outer "
+        f"lr {e['outer']['lr']:g}, momentum {e['outer']['momentum']:g}; the steps trained before a sync lands "
+        f"carried over at {e['overlap_carry']:g} (`outer.overlap_carry`).",
+    ]
+    return rows
 
 
 def table(out: dict) -> list[str]:

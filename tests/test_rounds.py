@@ -7,7 +7,6 @@ final.safetensors; no round is applied twice; the swarm learned.
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 
@@ -41,11 +40,8 @@ def finish(peers: dict[str, PeerThread]) -> dict[str, RunResult | BaseException 
     return {name: p.join() for name, p in peers.items()}
 
 
-def assert_swarm_contract(
-    tmp_path, peers: dict[str, PeerThread], survivors: list[str], *, learned: bool = True
-) -> str:
-    """The survivors hold the same final params in final.safetensors; the swarm learned (``learned``; else
-    only: the final params are finite). Returns the hash."""
+def assert_swarm_contract(tmp_path, peers: dict[str, PeerThread], survivors: list[str]) -> str:
+    """The survivors hold the same final params in final.safetensors; the swarm learned. Returns the hash."""
     hashes = set()
     for name in survivors:
         p = peers[name]
@@ -62,10 +58,8 @@ def assert_swarm_contract(
         assert checkpoint.load(other).params_sha256() in hashes, f"{other} is not the swarm's final model"
     evaluator = Evaluator()
     loaded, final = evaluator.file(tmp_path / survivors[0] / "final.safetensors")
-    assert math.isfinite(final["val_loss"]), final
-    if learned:
-        initial = evaluator.initial(loaded.config)
-        assert final["val_loss"] < initial["val_loss"] - 0.5, (initial, final)
+    initial = evaluator.initial(loaded.config)
+    assert final["val_loss"] < initial["val_loss"] - 0.5, (initial, final)
     return hashes.pop()
 
 
@@ -475,13 +469,11 @@ def test_half_the_swarm_killed_at_once(tmp_path, overlap):
     """Two of four peers die in round 2; the other two finish the run together.
 
     With overlap, the survivors' trajectory depends on how many steps each trains before a sync lands: the
-    machine's timing. Beside 2 CPU hogs their final val loss was 2.6 to 3.4 in most runs, but it ended above
-    the initial 5.24 now and then (seed 0: 1 of about 220 runs alone, 2 more before, one of them in the full
-    suite; run.seed 1: 2 of 30, up to 7.4), the model spoilt as a whole (median row loss 5.0 to 5.5, accuracy
-    0.29 to 0.40 against the initial 0.37). In the runs caught, one survivor's last inner step was on a batch
-    with two rows of ASCII table borders, at a loss of 7.7 to 9.4 against 3.2 for its others. Without overlap
-    the final val loss is 3.00 every time. An open quality problem of overlap in groups of two
-    (docs/benchmarks.md); here: with overlap, the contract without the "learned" check; without overlap, all of it."""
+    machine's timing. At configs/tiny.yaml's former outer lr (0.7, the default) their final val loss ended
+    above the initial 5.24 now and then (seed 0: 1 of about 220 runs alone, 2 more before, one of them in
+    the full suite; run.seed 1: 2 of 30, up to 7.4): gpt-nano's outer step at that lr is on the edge of
+    stable, and overlap's timing noise tips it over (docs/benchmarks.md, groups of two). At 0.5, beside 2
+    CPU hogs: 2.84 to 3.19 in 40 runs (seed 0), 2.97 to 4.05 in 30 (seed 1)."""
     injector = Injector()
     injector.fail_at("c", Point.INNER, round=2)
     injector.fail_at("d", Point.INNER, round=2)
@@ -489,7 +481,7 @@ def test_half_the_swarm_killed_at_once(tmp_path, overlap):
     peers = start(MemorySwarm(injector), tmp_path, ["a", "b", "c", "d"], outer=outer)
     finish(peers)
     assert peers["c"].crashed and peers["d"].crashed
-    assert_swarm_contract(tmp_path, peers, ["a", "b"], learned=not overlap)
+    assert_swarm_contract(tmp_path, peers, ["a", "b"])
 
 
 def test_a_killed_peer_restarts_from_its_checkpoint_and_loads_the_swarms_newer_state(tmp_path):
