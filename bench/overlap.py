@@ -12,6 +12,12 @@ without overlap.
 
     python -m bench.overlap [--taus 1 3] [--carries 1.0 0.75 0.5 0.25] [--peers 3] [--seeds 0 1 2] [--workers 2]
                             [--set outer.lr=0.5 ...] [--out bench/results/overlap.json] [--block overlap]
+    python -m bench.overlap --tau-ranges 1-3 1-15 [--draws 2] [--peers 2] [--config configs/tiny.yaml] ...
+
+``--tau-ranges``: instead of one τ for every peer and round, each peer's sync of each round takes a τ drawn
+from a range, as timing has it in a real swarm; the steps are carried over at the experiment's
+``outer.overlap_carry``, ``--draws`` runs per seed and range, and the table shows the worst run beside the
+mean: a tail that the mean hides.
 
 Each simulation runs on one thread; ``--workers`` of them at a time, in processes of their own. ``--set``
 changes the default experiment (as ``p2ptrain join --set`` does), for every run alike, the runs without
@@ -274,9 +280,8 @@ def _drawn(args, default, ranges: list[tuple[int, int]], done: dict[Job, float],
         ratios = {
             seed: [x / s["no_overlap"] for x in s["runs"][i]["val_loss"]] for seed, s in by_seed.items()
         }
-        per_seed = [
-            mean(rs) for rs in ratios.values()
-        ]  # the seed is the unit: its draws are not independent of it
+        # The seed is the unit: a seed's draws share its init and data, and are not independent of each other.
+        per_seed = [mean(rs) for rs in ratios.values()]
         rows.append(
             {
                 "tau_range": list(r),
@@ -285,15 +290,18 @@ def _drawn(args, default, ranges: list[tuple[int, int]], done: dict[Job, float],
                 "worst_ratio": max(x for rs in ratios.values() for x in rs),
             }
         )
-    cfg = default
     out = {
         "experiment": {
             "config": args.config.name,
-            "model": cfg.model.name,
+            "model": default.model.name,
             "peers": args.peers,
-            "rounds": cfg.outer.num_rounds,
-            "inner_steps": cfg.inner.num_inner_steps,
-            "outer": {"lr": cfg.outer.lr, "momentum": cfg.outer.momentum, "nesterov": cfg.outer.nesterov},
+            "rounds": default.outer.num_rounds,
+            "inner_steps": default.inner.num_inner_steps,
+            "outer": {
+                "lr": default.outer.lr,
+                "momentum": default.outer.momentum,
+                "nesterov": default.outer.nesterov,
+            },
             "overlap_carry": share,
             "seeds": args.seeds,
             "draws": args.draws,
