@@ -196,7 +196,10 @@ class InnerConfig(_Section):
 
 class OuterConfig(_Section):
     lr: float = Field(default=0.7, gt=0.0)
-    """Outer learning rate of the SGD step on the averaged pseudo-gradient (DiLoCo: 0.7)."""
+    """Outer learning rate of the SGD step on the averaged pseudo-gradient (DiLoCo: 0.7). A small model with
+    few inner steps a round can be on the edge of stable at 0.7, and overlap's timing noise then spoils a run
+    now and then: configs/tiny.yaml (gpt-nano, 5 steps a round) uses 0.5 (docs/benchmarks.md, overlap in
+    groups of two)."""
     momentum: float = Field(default=0.5, ge=0.0, lt=1.0)
     """Outer momentum. The DiLoCo paper's 0.9 suits long runs (hundreds of rounds); in the short default
     experiment 0.5 does better (docs/benchmarks.md, tuning)."""
