@@ -235,28 +235,7 @@ def main() -> None:
                 "ratio": mean([s["runs"][i][half] / s["runs"][i]["carried_over"] for s in by_seed.values()]),
             }
         rows_by_tau.append(row)
-    H = default.inner.num_inner_steps
-    cfg = default
-    out = {
-        "experiment": {
-            "model": cfg.model.name,
-            "peers": args.peers,
-            "rounds": cfg.outer.num_rounds,
-            "inner_steps": H,
-            "outer": {"lr": cfg.outer.lr, "momentum": cfg.outer.momentum, "nesterov": cfg.outer.nesterov},
-            "seeds": args.seeds,
-            "carries": args.carries,
-            "overrides": args.sets,
-        },
-        "by_seed": by_seed,
-        "mean_ratios": rows_by_tau,
-        "seconds": round(time.monotonic() - t0),
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=2) + "\n")
-    rows = table(out)
-    replace_block(args.block, rows)
-    print("\n".join(rows))
+    _write(args, default, by_seed, rows_by_tau, t0, table, carries=args.carries)
 
 
 def _drawn(args, default, ranges: list[tuple[int, int]], done: dict[Job, float], t0: float) -> None:
@@ -290,6 +269,11 @@ def _drawn(args, default, ranges: list[tuple[int, int]], done: dict[Job, float],
                 "worst_ratio": max(x for rs in ratios.values() for x in rs),
             }
         )
+    _write(args, default, by_seed, rows, t0, drawn_table, overlap_carry=share, draws=args.draws)
+
+
+def _write(args, default, by_seed: dict, mean_ratios: list[dict], t0: float, table_of, **setup) -> None:
+    """Write the results (``--out``) and their table (``table_of``, into ``--block``)."""
     out = {
         "experiment": {
             "config": args.config.name,
@@ -302,18 +286,17 @@ def _drawn(args, default, ranges: list[tuple[int, int]], done: dict[Job, float],
                 "momentum": default.outer.momentum,
                 "nesterov": default.outer.nesterov,
             },
-            "overlap_carry": share,
             "seeds": args.seeds,
-            "draws": args.draws,
+            **setup,
             "overrides": args.sets,
         },
         "by_seed": by_seed,
-        "mean_ratios": rows,
+        "mean_ratios": mean_ratios,
         "seconds": round(time.monotonic() - t0),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=2) + "\n")
-    lines = drawn_table(out)
+    lines = table_of(out)
     replace_block(args.block, lines)
     print("\n".join(lines))
 
