@@ -20,8 +20,9 @@ Changes to hivemind 1.1.12's averager, each for a reason:
 * **Groups the barrier names.** The barrier already knows who is in the round, so the first attempt of a
   round's all-reduce skips hivemind's search of the DHT for a leader (every member polls the matchmaking key,
   each poll answered with every member's declaration): every member asks the round's leader
-  (:func:`barrier_leader`: the id that hashes lowest with the round) to lead it, and that leader starts once
-  all have joined (:class:`BarrierLeaders`). A retry searches as hivemind does.
+  (:func:`barrier_leader`: of those not in client mode, the id that hashes lowest with the round) to lead
+  it, and that leader starts once all have joined (:class:`BarrierLeaders`). A retry searches as hivemind
+  does.
 * **Robust reducers.** A part that passes those checks may still be wrong (ten times a pseudo-gradient,
   sign flipped). Reducers combine parts with ``averaging.aggregator`` (CenteredClip by default,
   ``aggregation.py``) instead of hivemind's running weighted sum (:class:`RobustPartReducer`).
@@ -995,16 +996,16 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
         self._round = int(group_bits, 2)  # the round this peer averages in (round_group_bits)
         await super()._set_group_bits(group_bits, future)
 
-    def expect_group(self, peers: Sequence[str], round: int) -> None:
+    def expect_group(self, peers: Sequence[str], round: int, clients: Sequence[str] = ()) -> None:
         """The all-reduce of ``round`` is with ``peers`` (us included): its first attempt asks
         :func:`barrier_leader` to lead (:class:`BarrierLeaders`), and the group assembles as soon as all are
         in (hivemind's ``target_group_size``, which a leader otherwise only reaches by waiting out
-        ``min_matchmaking_time``)."""
+        ``min_matchmaking_time``). ``clients``: those of ``peers`` in client mode, which never lead."""
         future = MPFuture()
-        self._outer_pipe.send(("_expect_group", [sorted(peers), round], dict(future=future)))
+        self._outer_pipe.send(("_expect_group", [sorted(peers), round, sorted(clients)], dict(future=future)))
         future.result(timeout=_PIPE_TIMEOUT_S)
 
-    async def _expect_group(self, peers: list[str], round: int, future: MPFuture) -> None:
+    async def _expect_group(self, peers: list[str], round: int, clients: list[str], future: MPFuture) -> None:
         self._roster = (round, frozenset(peers))
         self._guard_matchmaking()
         # A roster too large for one group is left to hivemind's search, for groups of the configured size (not
@@ -1012,7 +1013,11 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
         configured = self.matchmaking_kwargs["target_group_size"]
         self._matchmaking.target_group_size = min(len(peers), configured)
         if len(peers) <= configured:
-            leader = barrier_leader(peers, round, rotating=self._agreed_groups)
+            # A client takes no calls (hivemind registers no handlers for it): a group it was named to lead
+            # never formed, and the round's first attempt was lost. Whether a peer is a client is its own
+            # claim (its record's ``serves``), the same to every member.
+            leaders = [p for p in peers if p not in clients] or peers
+            leader = barrier_leader(leaders, round, rotating=self._agreed_groups)
             self._matchmaking.potential_leaders.name(PeerID.from_base58(leader))
         future.set_result(None)
 
@@ -1425,11 +1430,12 @@ class SwarmAverager:
     def ban(self, peers: Sequence[str]) -> None:
         self._averager.leave_out(peers, math.inf)
 
-    def expect_group(self, peers: Sequence[str], round: int) -> None:
+    def expect_group(self, peers: Sequence[str], round: int, clients: Sequence[str] = ()) -> None:
         """The all-reduce of ``round`` is with ``peers``, as the barrier knows them (us included): its first
         attempt needs no search of the DHT and ends once they are all in, rather than waiting out a timer. A
-        group larger than ``averaging.target_group_size`` is left to hivemind's search."""
-        self._averager.expect_group(peers, round)
+        group larger than ``averaging.target_group_size`` is left to hivemind's search. ``clients``: those of
+        ``peers`` in client mode (they take no calls, so none of them leads)."""
+        self._averager.expect_group(peers, round, clients)
 
     def download_state(self, donors: Sequence[str], timeout: float):
         return self._averager.download_state_from(donors, timeout)

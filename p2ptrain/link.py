@@ -72,9 +72,10 @@ class PeerAverager(Protocol):
         """(donor, metadata, tensors) from the first donor that serves its state, or None."""
         ...
 
-    def expect_group(self, peers: Sequence[str], round: int) -> None:
+    def expect_group(self, peers: Sequence[str], round: int, clients: Sequence[str] = ()) -> None:
         """The all-reduce of ``round`` is with ``peers``, as the barrier knows them (us included):
-        matchmaking ends once they have joined, rather than waiting out ``averaging.matchmaking_time_s``."""
+        matchmaking ends once they have joined, rather than waiting out ``averaging.matchmaking_time_s``.
+        ``clients``: those of ``peers`` in client mode, which take no calls."""
 
     def leave_out(
         self,

@@ -1269,7 +1269,10 @@ class Trainer:
         round_ = self.round
         if not alone:
             # The barrier's group: nobody searches for it, nobody waits out a timer.
-            self.averager.expect_group([self.peer_id, *(r.peer_id for r in group)], round_)
+            clients = [r.peer_id for r in group if not r.serves]
+            if self.cfg.swarm.client_mode:
+                clients.append(self.peer_id)
+            self.averager.expect_group([self.peer_id, *(r.peer_id for r in group)], round_, clients)
         with self._waiting() as waiting:
             waiting.update(f"round {round_}: averaging", peers=len(group) + 1)
             report = self.diloco.sync(

@@ -352,8 +352,9 @@ class MemoryAverager:
                 return (donor_id, *got)
         return None
 
-    def expect_group(self, peers, round: int) -> None:
+    def expect_group(self, peers, round: int, clients=()) -> None:
         self._expected = len(peers)
+        self._peer.swarm.named_clients[(self._peer.peer_id, round)] = sorted(clients)
 
     def leave_out(self, peers, round: int, weights=None, sealed=None) -> None:
         with self._peer.swarm._lock:
@@ -413,6 +414,8 @@ class MemorySwarm:
         self.expected_groups: list[tuple[str, int, int | None]] = []
         """(peer, round, size) of every all-reduce a peer began: the group size it told its averager to
         expect (``expect_group``), None if it told none."""
+        self.named_clients: dict[tuple[str, int], list[str]] = {}
+        """(peer, round) -> the members in client mode that peer named to its averager (``expect_group``)."""
         self.averaged: list[tuple[int, list[str]]] = []
         """(round, the members whose parts made the average) of every all-reduce that produced one."""
         self.sealed: dict[tuple[str, int], dict[str, Sealed]] = {}

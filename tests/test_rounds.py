@@ -731,6 +731,10 @@ def test_params_that_nobody_can_serve_are_not_canonical_and_everyone_meets_on_se
     assert_swarm_contract(tmp_path, peers, ["a", "b", "c"])
     rebased = {name for name, p in peers.items() if any(why == "rebase" for why, _ in p.trainer.loads)}
     assert "c" in rebased and len(rebased) == 2, {n: p.trainer.loads for n, p in peers.items()}
+    # Every group named c as the client it is (it never leads: it takes no calls).
+    assert swarm.named_clients and all(
+        clients == [peers["c"].trainer.peer_id] for clients in swarm.named_clients.values()
+    ), swarm.named_clients
 
 
 def test_a_stopped_peer_keeps_its_work_and_resumes_refusing_a_corrupted_newer_file(tmp_path):

@@ -120,7 +120,7 @@ LeaderThatLies.__name__ = LeaderThatReorders.__name__ = ExactAverager.__name__
 def swarm_of():
     made = []
 
-    def make(n: int, *, classes=(), state_providers=(), shapes=SHAPES, **cfg):
+    def make(n: int, *, classes=(), state_providers=(), shapes=SHAPES, clients=(), **cfg):
         # Real boards: the averagers admit only peers with a progress record of the run.
         first = Swarm("t", SwarmConfig(host_maddrs=LOOPBACK), device="cpu")
         boards = [first]
@@ -154,7 +154,7 @@ def swarm_of():
                 run_id="t",
                 layout=layout_for(shapes, config),
                 cfg=config,
-                client_mode=False,
+                client_mode=i in clients,
                 state_provider=(list(state_providers) + [lambda: ({}, [])] * n)[i],
                 max_weight=10.0,
                 stop=threading.Event(),
@@ -567,3 +567,24 @@ def round_5_goes_without(averagers, shapes, absent: str) -> None:
             assert r.stalled == [] and r.refused == [], (round_, ids, absent, seen)  # nobody kept out
             torch.testing.assert_close(r.tensors[0], sum(xs[j][0] for j in counted) / len(counted))
             assert torch.equal(r.tensors[0], results[counted[0]].tensors[0])
+
+
+def test_a_client_is_never_named_to_lead_a_group(swarm_of):
+    """A member in client mode takes no calls (hivemind registers no handlers for it), so a group it was named
+    to lead never formed: every member asked it until matchmaking gave up, and the round's first attempt was
+    lost. In a round where the client's id hashes lowest, the barrier names a member that takes calls, and
+    the three average in the first attempt."""
+    averagers = swarm_of(3, clients=[2], compression="none", aggregator="mean")
+    ids = [a.peer_id for a in averagers]
+    round_ = next(r for r in range(10, 1000) if barrier_leader(ids, r) == ids[2])
+    xs = inputs(3)
+    for a in averagers:
+        a.expect_group(ids, round_, clients=[ids[2]])
+    results = run_parallel(
+        [lambda a=a, x=x: a.average(x, weight=1.0, round=round_) for a, x in zip(averagers, xs)]
+    )
+    for r in results:
+        assert not isinstance(r, Exception), (ids, results)
+        assert sorted(r.peers) == sorted(ids)
+        for k in range(len(SHAPES)):
+            torch.testing.assert_close(r.tensors[k], sum(x[k] for x in xs) / 3)
