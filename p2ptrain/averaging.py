@@ -117,6 +117,35 @@ class _Stopped(Exception):
     pass
 
 
+_NO_GROUP = b"p2ptrain:no-group:"
+"""What a client that a leader accepted and then sent no group sends its round's members instead of a group
+id (``ExactAverager._say_no_group``), followed by the round: no group's id begins so (those are hashes)."""
+
+
+def no_group_notice(round: int) -> bytes:
+    return _NO_GROUP + round.to_bytes(8, "big", signed=True)
+
+
+def notice_round(group_id: bytes) -> int | None:
+    """The round of a :func:`no_group_notice`, or None if ``group_id`` is not one."""
+    if not group_id.startswith(_NO_GROUP) or len(group_id) != len(_NO_GROUP) + 8:
+        return None
+    return int.from_bytes(group_id[len(_NO_GROUP) :], "big", signed=True)
+
+
+class _Remembers(asyncio.Event):
+    """An event that remembers it was set since :meth:`forget` (hivemind clears its own on the way out)."""
+
+    was_set = False
+
+    def set(self) -> None:
+        self.was_set = True
+        super().set()
+
+    def forget(self) -> None:
+        self.was_set = False
+
+
 def round_group_bits(round: int) -> str:
     """Matchmaking group bits for a round: its binary digits (hivemind keys are prefix.0b<bits>)."""
     return format(round, "b")
@@ -872,7 +901,11 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
     ) -> typing.AsyncIterator[averaging_pb2.MessageFromLeader]:  # hivemind reads these: typing's, not abc's
         await self._admit(context.remote_id, "to let it join a group")
         if self._left_out_now(context.remote_id):
-            raise PermissionError(f"{self.peer_id} left {context.remote_id} out of round {self._round}")
+            # It asks again and again until its matchmaking gives up (a named leader is asked with backoff):
+            # a refusal, not an error, which hivemind would log with its traceback at every ask.
+            log.debug("no seat for a peer we left out of this round", peer=str(context.remote_id))
+            yield averaging_pb2.MessageFromLeader(code=averaging_pb2.NOT_LOOKING_FOR_GROUP)
+            return
         roster = self._roster
         if roster is not None and roster[0] == self._round and context.remote_id.to_base58() not in roster[1]:
             # The group is as large as the roster (target_group_size): a member of the run that is not on it
@@ -910,7 +943,15 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
                 declined = True
         else:
             declined = True
-            await self._sent_under_another_id(remote, request.group_id)
+            said = notice_round(request.group_id)
+            if said is None:
+                await self._sent_under_another_id(
+                    remote, request.group_id, "it sent its parts under another group's id"
+                )
+            elif said == self._round:
+                await self._sent_under_another_id(
+                    remote, request.group_id, "it says the leader accepted it and sent it no group"
+                )
         if declined:
             # Should we come to hold this very group after all (our matchmaking ends after the wait), its
             # runner starts without the caller, which took our answer and sends us nothing more.
@@ -940,12 +981,13 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
                 await asyncio.wait_for(self._pending_groups_registered.wait(), left)
         return True
 
-    async def _sent_under_another_id(self, remote: PeerID, group_id: bytes) -> None:
+    async def _sent_under_another_id(self, remote: PeerID, group_id: bytes, reason: str) -> None:
         """A member of a group we hold sent us its parts under an id we never held: it holds another group
-        (the leader told us different groups), so it will send us nothing under ours. Our runner stops
-        waiting for it (``Fault.ABSENT``), as a caller does when we answer BAD_GROUP_ID: a groupmate that
-        never calls us (a client, or a node with nothing to reduce) is found out this way only. A part of a
-        group we held before is a late one, from an attempt that is over: nothing about this one."""
+        (the leader told us different groups), or none (:func:`no_group_notice`), so it will send us nothing
+        under ours. Our runner stops waiting for it (``Fault.ABSENT``), as a caller does when we answer
+        BAD_GROUP_ID: a groupmate that never calls us (a client, or a node with nothing to reduce) is found
+        out this way only. A part of a group we held before is a late one, from an attempt that is over:
+        nothing about this one."""
         if group_id in self._held_ids:
             return
         for held, mates in list(self._groupmates.items()):
@@ -953,7 +995,7 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
                 continue
             future = self._running_groups.get(held)
             if future is not None and future.done() and not future.cancelled() and not future.exception():
-                await future.result().mark_absent(remote, "it sent its parts under another group's id")
+                await future.result().mark_absent(remote, reason)
             else:  # our runner is not made yet: it starts without it (_run_allreduce_inplace_)
                 self._absent_early.setdefault(held, set()).add(remote)
 
@@ -1036,14 +1078,48 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
             old.peer_id, old.min_matchmaking_time, old.target_group_size
         )
         ask = matchmaking._request_join_group
+        # hivemind sets it when a leader accepts our request, and clears it when that leader's stream ends.
+        accepted = matchmaking.was_accepted_to_group = _Remembers()
 
         async def ask_unless_left_out(leader: PeerID):
             if self._left_out_now(leader):
                 return None
-            return await ask(leader)
+            accepted.forget()
+            group = await ask(leader)
+            if group is None and accepted.was_set and self.client_mode:
+                await self._say_no_group()
+            return group
 
         matchmaking._request_join_group = ask_unless_left_out
         matchmaking._guarded = True
+
+    async def _say_no_group(self) -> None:
+        """A leader accepted us and then sent us no group (it withheld it, or we gave up a moment before it
+        came): tell the round's other members, whose group may hold us. A member that is not a client would
+        be called by its groupmates and answer that it holds no such group; a client takes no calls, so
+        they would wait out a sender's timeout for its parts and take it for a staller (16 rounds). They
+        leave it out of that attempt only (``Fault.ABSENT``), as for a member that answered. We wait for
+        their answers before our next attempt: a late notice must not reach a group we joined after it."""
+        if self._roster is None or self._roster[0] != self._round:
+            return
+        notice = averaging_pb2.AveragingData(group_id=no_group_notice(self._round))
+        me = self.peer_id.to_base58()
+
+        async def tell(peer: str) -> None:
+            stub = self.get_stub(self._p2p, PeerID.from_base58(peer), namespace=self.prefix)
+            answers = await stub.rpc_aggregate_part(as_aiter(notice))
+            async with contextlib.aclosing(answers):  # type: ignore[type-var]  # hivemind's, untyped
+                await anext(answers)  # BAD_GROUP_ID: it has heard us
+
+        others = [peer for peer in self._roster[1] if peer != me]
+        log.info("the leader accepted us and sent no group: telling the round's members", round=self._round)
+        results = await asyncio.gather(
+            *(asyncio.wait_for(tell(peer), self._group_wait_s() + self.request_timeout) for peer in others),
+            return_exceptions=True,
+        )
+        for peer, result in zip(others, results):
+            if isinstance(result, BaseException):
+                log.debug("a member did not hear that we hold no group", peer=peer, error=repr(result)[:200])
 
     def leave_out(
         self,

@@ -205,3 +205,18 @@ def test_the_barriers_leader_rotates_with_the_round_whatever_ids_a_peer_makes():
     ground = "Qm0"  # sorts before every other id
     assert Counter(barrier_leader([*peers, ground], r) for r in range(400))[ground] < 120
     assert all(barrier_leader([*peers, ground], r, rotating=False) == ground for r in range(5))
+
+
+def test_a_no_group_notice_names_its_round_and_is_no_groups_id():
+    """A client that a leader accepted and sent no group tells its round's members so under this id: it must
+    give back its round (a late notice of another round leaves nobody out), and never be taken for a group's
+    id (those are 32-byte hashes), nor a group's id for a notice."""
+    import hashlib
+
+    from p2ptrain.averaging import no_group_notice, notice_round
+
+    for round_ in (0, 5, 2**40, -1):
+        assert notice_round(no_group_notice(round_)) == round_
+    assert no_group_notice(5) != no_group_notice(6)
+    assert notice_round(hashlib.sha256(b"a group").digest()) is None
+    assert notice_round(no_group_notice(5) + b"\x00") is None

@@ -70,10 +70,12 @@ class DiesAfterTheFirstChunk(ExactAverager):
 
 class LeaderThatLies(ExactAverager):
     """As the leader of round 5's first group, it withholds the group from one follower (the one whose id is
-    the largest in bytes), or tells it the group in another order: a hostile leader, or (withheld) what a
-    follower whose matchmaking gave up a moment too early meets. Honest otherwise, and as a follower."""
+    the largest in bytes, or the one in client mode), or tells it the group in another order: a hostile
+    leader, or (withheld) what a follower whose matchmaking gave up a moment too early meets. Honest
+    otherwise, and as a follower."""
 
     lie = "withhold"
+    to_the_client = False
     lied = False
 
     async def rpc_join_group(
@@ -84,7 +86,7 @@ class LeaderThatLies(ExactAverager):
             if message.code == averaging_pb2.BEGIN_ALLREDUCE and first:
                 me = self.peer_id.to_bytes()
                 victim = max(p for p in message.ordered_peer_ids if p != me)
-                if context.remote_id.to_bytes() == victim:
+                if request.client_mode if self.to_the_client else context.remote_id.to_bytes() == victim:
                     self.lied = True
                     if self.lie == "withhold":
                         return
@@ -102,6 +104,10 @@ class LeaderThatReorders(LeaderThatLies):
     lie = "reorder"
 
 
+class LeaderThatWithholdsFromTheClient(LeaderThatLies):
+    to_the_client = True
+
+
 class JoinsMalformedInRound5(ExactAverager):
     """Joins every group of round 5 with join data that does not decode (invalid msgpack)."""
 
@@ -114,6 +120,7 @@ class JoinsMalformedInRound5(ExactAverager):
 DiesAfterServingOnePart.__name__ = DiesAfterTheFirstChunk.__name__ = ExactAverager.__name__
 JoinsMalformedInRound5.__name__ = ExactAverager.__name__
 LeaderThatLies.__name__ = LeaderThatReorders.__name__ = ExactAverager.__name__
+LeaderThatWithholdsFromTheClient.__name__ = ExactAverager.__name__
 
 
 @pytest.fixture
@@ -529,6 +536,27 @@ def test_a_follower_the_leader_withholds_the_group_from_or_lies_to_is_left_out_o
     round_5_goes_without(averagers, shapes, victim)
 
 
+def test_a_client_the_leader_withholds_the_group_from_is_left_out_of_that_round_only(swarm_of):
+    """A member in client mode takes no calls and reduces nothing: withheld from the group, it called
+    nobody, and nobody could ask it, so its groupmates waited out the timeout for its parts and took it for a
+    staller, left out for 16 rounds. Now it tells the round's members that the leader accepted it and sent
+    it no group: they average round 5 without it, and round 6 with it."""
+    shapes = [torch.Size([300_000])]
+    averagers = swarm_of(
+        3,
+        classes=[LeaderThatWithholdsFromTheClient] * 3,
+        clients=[2],
+        retries=1,
+        next_chunk_timeout_s=3.0,
+        allreduce_timeout_s=10.0,
+        compression="none",
+        aggregator="mean",
+        shapes=shapes,
+    )
+    client = averagers[2].peer_id
+    round_5_goes_without(averagers, shapes, client, clients=[client])
+
+
 def test_a_member_that_joins_with_malformed_data_is_left_out_of_that_rounds_retry_only(swarm_of):
     """Every member refuses a group whose join data does not decode, and used to retry the round with the
     same joiner in it: a member that joins malformed every time voided every attempt of the round. Now the
@@ -546,7 +574,7 @@ def test_a_member_that_joins_with_malformed_data_is_left_out_of_that_rounds_retr
     round_5_goes_without(averagers, shapes, averagers[2].peer_id)
 
 
-def round_5_goes_without(averagers, shapes, absent: str) -> None:
+def round_5_goes_without(averagers, shapes, absent: str, clients=()) -> None:
     """Rounds 5 and 6 of three averagers named as one group: round 5 is averaged (bit-identically, the plain
     mean) by all but ``absent``, with nobody kept out beyond it; round 6 by all three."""
     ids = [a.peer_id for a in averagers]
@@ -554,7 +582,7 @@ def round_5_goes_without(averagers, shapes, absent: str) -> None:
     xs = [[torch.randn(s) for s in shapes] for _ in range(3)]
     for round_ in (5, 6):
         for a in averagers:
-            a.expect_group(ids, round_)
+            a.expect_group(ids, round_, clients)
         results = run_parallel(
             [lambda a=a, x=x, r=round_: a.average(x, weight=1.0, round=r) for a, x in zip(averagers, xs)]
         )
