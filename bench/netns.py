@@ -125,6 +125,24 @@ class ShapedNet:
         _run("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
              "rate", f"{rate}mbit", "burst", f"{burst_kb}kb", "latency", "100ms")  # fmt: skip
 
+    def behind_nat(self, index: int) -> None:
+        """No connection can be opened to peer ``index`` any more, as behind a home router's NAT: it dials out
+        as before, and a dial to it goes unanswered (its SYN-ACKs are dropped) until the dialer times out.
+
+        This kernel has neither netfilter nor tc's actions: an htb class whose fifo holds no packet takes
+        every TCP segment with SYN and ACK set that the peer would send (an IP header of 20 bytes: flags at
+        byte 33); the rest goes by the default class, unshaped. Not with a shaped peer (its root is tbf)."""
+        assert self.rate_mbit is None, "behind_nat replaces the root qdisc that shapes the link"
+        tc = ["ip", "netns", "exec", self.name(index), "tc"]
+        _run(*tc, "qdisc", "add", "dev", "eth0", "root", "handle", "1:", "htb", "default", "1")
+        for band in ("1:1", "1:2"):
+            _run(*tc, "class", "add", "dev", "eth0", "parent", "1:", "classid", band,
+                 "htb", "rate", "10gbit", "quantum", "60000")  # fmt: skip
+        _run(*tc, "qdisc", "add", "dev", "eth0", "parent", "1:2", "handle", "20:", "pfifo", "limit", "0")
+        _run(*tc, "filter", "add", "dev", "eth0", "parent", "1:", "protocol", "ip", "prio", "1", "u32",
+             "match", "ip", "protocol", "6", "0xff", "match", "u8", "0x12", "0x12", "at", "33",
+             "flowid", "1:2")  # fmt: skip
+
     def close(self) -> None:
         for ns in reversed(self._made):  # a namespace takes its veth ends with it
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
