@@ -10,7 +10,7 @@ import uuid
 
 import pytest
 
-from bench.netns import ShapedNet, available
+from bench.netns import NetError, ShapedNet, available
 from p2ptrain import checkpoint
 from p2ptrain.localswarm import PeerProcess, stop_all
 from tests.integration.conftest import TINY
@@ -58,7 +58,10 @@ def test_a_client_behind_a_nat_trains_in_every_rounds_group(tmp_path):
     run_id = f"t{uuid.uuid4().hex[:8]}"
     rounds = 4
     with ShapedNet(3, None) as net:
-        net.behind_nat(2)
+        try:
+            net.behind_nat(2)
+        except NetError as e:  # a kernel without htb or u32: say so rather than fail
+            pytest.skip(f"cannot emulate a NAT here: {e}")
         assert dial(net, 2, 0) == "open"
         assert dial(net, 0, 2).startswith("closed")  # silently: as a NAT does, not a refusal
 
