@@ -142,7 +142,9 @@ def test_a_cnn_learns_the_digits_to_90_percent_test_accuracy_and_eval_prints_it(
         "data": {"source": "digits", "val_fraction": 0.1},
         "model": {"name": "cnn-small"},
         "inner": {"num_inner_steps": 10, "lr": 0.003, "batch_size": 32, "warmup_steps": 10},
-        "outer": {"num_rounds": 6},
+        # 6 rounds ended at 0.89-0.95 test accuracy (3 of 23 runs below 0.90: which peer trains which shard
+        # and when each overlapped sync lands vary); 8 rounds at 0.93-0.96 in 10 runs.
+        "outer": {"num_rounds": 8},
     }
     peers = start(MemorySwarm(), tmp_path, ["a", "b", "c"], **sections)
     finish(peers)
