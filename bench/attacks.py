@@ -47,10 +47,17 @@ WHAT = {
 }
 
 
+AVERAGES = ("weight", "nan", "no_peer", "stall")
+"""The attacks made inside a round's all-reduce: one that neither the hostile peer nor its victims saw in an
+all-reduce did not take place (its rows would read as harmless)."""
+
+
 def run_swarm(attack: str, rounds: int, steps: int, workdir: Path) -> dict:
     run_id = f"attack-{attack}-{int(time.time())}"
     sets = [f"run.run_id={run_id}", f"outer.num_rounds={rounds}", f"inner.num_inner_steps={steps}"]
-    base, key = closed_swarm_join(workdir, CONFIG, sets + ["swarm.min_peers=2"])
+    # An insider is the third peer: the honest ones start once its record is there (bench.hostile).
+    insider = attack in ATTACKS and attack != "download"
+    base, key = closed_swarm_join(workdir, CONFIG, sets + [f"swarm.min_peers={3 if insider else 2}"])
     honest: list[PeerProcess] = []
     hostile = None
     t0 = time.monotonic()
@@ -193,6 +200,9 @@ def main(argv: list[str] | None = None) -> None:
             for h in r["hostile"]
             if not h.get("started")
         )
+        took_place = any(h.get("outcome") for h in r["hostile"]) or r["failed_attempts"] or r["left_out"]
+        if attack in AVERAGES and not took_place:  # a staller's own call ends after the run: its victims tell
+            seen = "**it never averaged: the attack did not take place**"
         rows.append(
             f"| {NUMBERS.get(attack, '—')} | {WHAT[attack]} | "
             f"{'finished, identical params' if ok else 'exit ' + str(r['exit_codes'])} | "

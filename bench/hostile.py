@@ -140,12 +140,19 @@ def insider(attack: str, cfg, deadline: float) -> None:
         board.dht,
         run_id=cfg.run.run_id,
         layout=layout_for(shapes, cfg.averaging),
-        cfg=cfg.averaging.model_copy(update={"retries": 0}),
+        # One attempt a round, given up soon: a round it missed (the honest peers passed their barrier before
+        # its record came) must not keep it from the next ones.
+        cfg=cfg.averaging.model_copy(update={"retries": 0, "matchmaking_timeout_s": 4.0}),
         client_mode=False,
         state_provider=serve_garbage,
         stop=threading.Event(),
         averager_cls=Staller if attack == "stall" else ExactAverager,
     )
+    # A record at once, paused (nobody waits for it): the honest peers (swarm.min_peers counts it) start the
+    # run with it there and push it their records, so that it sees every round as it comes. Without it, it
+    # learnt of rounds from the DHT only, after the short runs of the benchmark had ended.
+    board.update(state=PeerState.PAUSED)
+    board.publish()
     say(attack=attack, peer_id=board.peer_id, started=True)
     try:
         if attack == "shadow":
@@ -156,7 +163,7 @@ def insider(attack: str, cfg, deadline: float) -> None:
             records = board.records()
             r = honest_round(records, board.peer_id)
             if r < 0:
-                time.sleep(0.2)
+                time.sleep(0.02)
                 continue
             if attack == "fake_round":
                 fake_round[0] = r + 1
@@ -167,7 +174,7 @@ def insider(attack: str, cfg, deadline: float) -> None:
                 time.sleep(0.3)
                 continue
             if r == last:  # one attempt per round
-                time.sleep(0.2)
+                time.sleep(0.02)
                 continue
             last = r
             canon = next(
@@ -175,6 +182,9 @@ def insider(attack: str, cfg, deadline: float) -> None:
             )
             board.update(round=r, state=PeerState.AVERAGING, params_hash=canon)
             board.publish()
+            # As p2ptrain's barrier does: the round's group is every peer of the round, led by the peer it names.
+            roster = [pid for pid, x in records.items() if x.round == r and x.holds_params]
+            averager.expect_group(sorted({*roster, board.peer_id}), r)
             noise = [torch.randn(s) * 1e-3 for s in shapes]
             try:
                 if attack == "weight":
@@ -185,8 +195,7 @@ def insider(attack: str, cfg, deadline: float) -> None:
                     averager.average(noise, weight=1.0, round=r)
                 elif attack == "no_peer":
                     with averager._averager.get_tensors() as buffers:
-                        for b, t in zip(buffers, noise):
-                            b.copy_(t)
+                        averager.layout.pack(noise, out=buffers)
                     averager._averager.set_group_bits(round_group_bits(r))
                     averager._averager.step(
                         weight=1.0, gather={"round": r}, timeout=cfg.averaging.matchmaking_timeout_s

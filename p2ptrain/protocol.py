@@ -72,9 +72,12 @@ def credible(others: Records, my_round: int) -> dict[str, ProgressRecord]:
     that is alone ahead (it got the average when its groupmates did not) is then not followed; its
     groupmates go on (retry, or step alone) and the canonical-params vote of the next round puts everyone on
     one set of params. Peers that are loading hold no params, so restarted peers do not outvote the one
-    peer ahead of them.
+    peer ahead of them; but at a run's start (our round 0) a peer loading into round 0 holds the run's initial
+    params, as we do: it counts as a holder, so that one insider that claims round 1 as the run starts is not
+    followed by every peer for ``swarm.catch_up_timeout_s`` (it was: 2 honest peers of the attack benchmark
+    lost 240 s asking it for its state, 2026-12-06).
     """
-    is_vouched = _vouching(others)
+    is_vouched = _vouching(others, starting=my_round == 0)
     return {
         pid: r
         for pid, r in others.items()
@@ -94,11 +97,12 @@ def vouched(others: Records, round: int, params_hash: str) -> bool:
     return _vouching(others)(round, params_hash)
 
 
-def _vouching(others: Records) -> Callable[[int, str], bool]:
-    """:func:`vouched` for one reading of the records, counted once."""
+def _vouching(others: Records, starting: bool = False) -> Callable[[int, str], bool]:
+    """:func:`vouched` for one reading of the records, counted once (``starting``: see :func:`credible`)."""
     holders = [r for r in others.values() if r.holds_params]
     backers = Counter((r.round, r.params_hash) for r in holders)
-    quorum = max(1, min(2, len(holders)))
+    fresh = [r for r in others.values() if starting and r.state == PeerState.LOADING and r.round == 0]
+    quorum = max(1, min(2, len(holders) + len(fresh)))
     return lambda round, params_hash: backers[(round, params_hash)] >= quorum
 
 

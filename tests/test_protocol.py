@@ -59,6 +59,18 @@ def test_one_peer_ahead_is_believed_when_it_is_the_only_other_holder():
     assert protocol.credible(with_loaders, my_round=3) == with_loaders
 
 
+def test_at_a_runs_start_a_peer_loading_into_round_0_outvotes_one_claim_of_a_later_round():
+    """As a run starts every peer loads into round 0 until its first inner phase, holding no params by its
+    record: one insider that claimed round 1 was the only holder, so believed, and every honest peer asked it
+    for its state for swarm.catch_up_timeout_s. A peer loading into round 0 holds the initial params."""
+    loading = rec("b", 0, state="loading", h="00")
+    starting = table(loading, rec("h", 1, h="ee"))
+    assert protocol.credible(starting, my_round=0) == table(loading)
+    # Later in a run, a peer loading (a newcomer, a restarted one) still holds nothing to outvote with.
+    later = table(loading, rec("a", 4, h="ee"))
+    assert protocol.credible(later, my_round=3) == later
+
+
 def test_claims_at_or_behind_our_round_are_never_filtered():
     others = table(rec("a", 3, h="a1"), rec("b", 3, h="a2"), rec("c", 2, h="a3"))
     assert protocol.credible(others, my_round=3) == others
