@@ -943,15 +943,12 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
                 declined = True
         else:
             declined = True
-            said = notice_round(request.group_id)
-            if said is None:
-                await self._sent_under_another_id(
-                    remote, request.group_id, "it sent its parts under another group's id"
-                )
-            elif said == self._round:
-                await self._sent_under_another_id(
-                    remote, request.group_id, "it says the leader accepted it and sent it no group"
-                )
+            said = notice_round(request.group_id)  # a notice of another round is a late one: nothing now
+            if said is None or said == self._round:
+                reason = "it sent its parts under another group's id"
+                if said is not None:
+                    reason = "it says the leader accepted it and sent it no group"
+                await self._sent_under_another_id(remote, request.group_id, reason)
         if declined:
             # Should we come to hold this very group after all (our matchmaking ends after the wait), its
             # runner starts without the caller, which took our answer and sends us nothing more.

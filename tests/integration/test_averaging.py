@@ -509,6 +509,17 @@ def test_reducers_check_each_part_against_its_senders_seal_and_each_weight_again
     assert isinstance(results[3], Exception) or ids[3] not in results[0].peers
 
 
+LIED_TO = dict(
+    retries=1,
+    next_chunk_timeout_s=3.0,
+    allreduce_timeout_s=10.0,
+    compression="none",
+    aggregator="mean",
+    shapes=[torch.Size([300_000])],
+)
+"""Averagers whose leader lies in round 5: short timeouts, the plain mean of exact values."""
+
+
 @pytest.mark.parametrize("leader", [LeaderThatLies, LeaderThatReorders])
 def test_a_follower_the_leader_withholds_the_group_from_or_lies_to_is_left_out_of_that_round_only(
     swarm_of, leader
@@ -519,21 +530,11 @@ def test_a_follower_the_leader_withholds_the_group_from_or_lies_to_is_left_out_o
     averaged from misaligned parts, or an honest part judged malformed and its sender left out for good. Now
     it says it holds no such group (the id commits to the whole group: averaging.agreed_groups), the attempt
     is voided, the round averaged again without it, and the next round with it."""
-    shapes = [torch.Size([300_000])]
-    averagers = swarm_of(
-        3,
-        classes=[leader] * 3,
-        retries=1,
-        next_chunk_timeout_s=3.0,
-        allreduce_timeout_s=10.0,
-        compression="none",
-        aggregator="mean",
-        shapes=shapes,
-    )
+    averagers = swarm_of(3, classes=[leader] * 3, **LIED_TO)
     ids = [a.peer_id for a in averagers]
     head = barrier_leader(ids, 5)  # whom expect_group names to lead round 5
     victim = max((i for i in ids if i != head), key=lambda i: PeerID.from_base58(i).to_bytes())
-    round_5_goes_without(averagers, shapes, victim)
+    round_5_goes_without(averagers, LIED_TO["shapes"], victim)
 
 
 def test_a_client_the_leader_withholds_the_group_from_is_left_out_of_that_round_only(swarm_of):
@@ -541,20 +542,9 @@ def test_a_client_the_leader_withholds_the_group_from_is_left_out_of_that_round_
     nobody, and nobody could ask it, so its groupmates waited out the timeout for its parts and took it for a
     staller, left out for 16 rounds. Now it tells the round's members that the leader accepted it and sent
     it no group: they average round 5 without it, and round 6 with it."""
-    shapes = [torch.Size([300_000])]
-    averagers = swarm_of(
-        3,
-        classes=[LeaderThatWithholdsFromTheClient] * 3,
-        clients=[2],
-        retries=1,
-        next_chunk_timeout_s=3.0,
-        allreduce_timeout_s=10.0,
-        compression="none",
-        aggregator="mean",
-        shapes=shapes,
-    )
+    averagers = swarm_of(3, classes=[LeaderThatWithholdsFromTheClient] * 3, clients=[2], **LIED_TO)
     client = averagers[2].peer_id
-    round_5_goes_without(averagers, shapes, client, clients=[client])
+    round_5_goes_without(averagers, LIED_TO["shapes"], client, clients=[client])
 
 
 def test_a_member_that_joins_with_malformed_data_is_left_out_of_that_rounds_retry_only(swarm_of):
