@@ -52,6 +52,17 @@ AVERAGES = ("weight", "nan", "no_peer", "stall")
 all-reduce did not take place (its rows would read as harmless)."""
 
 
+AGAIN = (
+    "honest_rounds_lost",
+    "final_val_loss",
+    "params_identical",
+    "exit_codes",
+    "failed_attempts",
+    "wall_s",
+)
+"""What a repeated run of an attack keeps (``--repeat``)."""
+
+
 def run_swarm(attack: str, rounds: int, steps: int, workdir: Path) -> dict:
     run_id = f"attack-{attack}-{int(time.time())}"
     sets = [f"run.run_id={run_id}", f"outer.num_rounds={rounds}", f"inner.num_inner_steps={steps}"]
@@ -161,12 +172,25 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--steps", type=int, default=20, help="inner steps per round")
     parser.add_argument("--only", default=",".join(ATTACKS))
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="runs of each attack: what an attack costs depends on when the hostile peer's record lands",
+    )
     args = parser.parse_args(argv)
     logs = ROOT / "runs" / "bench-attacks"
     runs = {}
     for attack in ["none", "none_again", *[a for a in args.only.split(",") if a]]:
         runs[attack] = run_swarm(attack, args.rounds, args.steps, logs / attack)
         print(json.dumps(runs[attack]), flush=True)
+        if attack in ("none", "none_again"):
+            continue
+        runs[attack]["again"] = []
+        for i in range(1, args.repeat):  # the row's figures are the first run's; these its spread
+            again = run_swarm(attack, args.rounds, args.steps, logs / f"{attack}.{i}")
+            print(json.dumps(again), flush=True)
+            runs[attack]["again"].append({k: again[k] for k in AGAIN})
     model_file = crafted_model_file(logs / "none")
     print(json.dumps(model_file), flush=True)
 
@@ -203,10 +227,13 @@ def main(argv: list[str] | None = None) -> None:
         took_place = any(h.get("outcome") for h in r["hostile"]) or r["failed_attempts"] or r["left_out"]
         if attack in AVERAGES and not took_place:  # a staller's own call ends after the run: its victims tell
             seen = "**it never averaged: the attack did not take place**"
+        again = r.get("again", [])
+        ok = ok and all(a["exit_codes"] == [0, 0] and a["params_identical"] for a in again)
+        lost = ", ".join(str(x["honest_rounds_lost"]) for x in [r, *again])
         rows.append(
             f"| {NUMBERS.get(attack, '—')} | {WHAT[attack]} | "
             f"{'finished, identical params' if ok else 'exit ' + str(r['exit_codes'])} | "
-            f"{'—' if loss is None else f'{loss:.3f}'}{delta} | {r['honest_rounds_lost']} of {r['honest_rounds']} | "
+            f"{'—' if loss is None else f'{loss:.3f}'}{delta} | {lost} of {r['honest_rounds']} | "
             f"{r['barrier_timeouts']} barrier timeouts, {r['failed_attempts']} failed attempts | {seen[:120]} |"
         )
     refused = all(o["exit_code"] == 1 and o["stderr_lines"] == 1 for o in model_file.values())
@@ -219,6 +246,12 @@ def main(argv: list[str] | None = None) -> None:
         f"{args.rounds} rounds of {args.steps} inner steps of configs/tiny.yaml, 2 honest peers with a swarm key; "
         "the hostile peer holds the key (an insider) except in 4. Val loss: the worse honest peer's final "
         "model. Waits are summed over both honest peers."
+        + (
+            f" Each attack ran {args.repeat} times: honest rounds lost in each run; the other columns are the "
+            "first run's."
+            if args.repeat > 1
+            else ""
+        )
     )
     replace_block("attacks", rows, DOC)
     print("\n".join(rows))

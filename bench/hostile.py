@@ -180,11 +180,14 @@ def insider(attack: str, cfg, deadline: float) -> None:
             canon = next(
                 (x.params_hash for pid, x in records.items() if pid != board.peer_id and x.round == r), ""
             )
-            board.update(round=r, state=PeerState.AVERAGING, params_hash=canon)
+            # As p2ptrain's barrier does: the round's group is every peer of the round, led by the peer it names,
+            # and it says so in its record (averaging.settled_groups), as it turns ready.
+            roster = sorted(
+                {pid for pid, x in records.items() if x.round == r and x.holds_params} | {board.peer_id}
+            )
+            board.update(round=r, state=PeerState.AVERAGING, params_hash=canon, group=roster)
             board.publish()
-            # As p2ptrain's barrier does: the round's group is every peer of the round, led by the peer it names.
-            roster = [pid for pid, x in records.items() if x.round == r and x.holds_params]
-            averager.expect_group(sorted({*roster, board.peer_id}), r)
+            averager.expect_group(roster, r)
             noise = [torch.randn(s) * 1e-3 for s in shapes]
             try:
                 if attack == "weight":

@@ -245,6 +245,14 @@ class AveragingConfig(_Section):
     no group of the other's id) instead of averaging misaligned slices or judging each other's honest parts
     malformed. A published experiment or a checkpoint that leaves this out means false (releases before
     2026-12-06 average under the leader's id alone, and cannot average with a peer that does this)."""
+    settled_groups: bool = True
+    """Before the all-reduce, every peer says whom its barrier found ready (its record's ``group``) and
+    waits, up to averaging.matchmaking_time_s, to hear the same from each of them; it then averages with
+    everyone any of them named (and they named, and so on), so that a peer that turned ready just as the
+    barriers passed is in every honest peer's group or in none. Without it, one peer named it and another
+    did not: they named different leaders and went into different groups, and the round lost a member's
+    work (docs/architecture.md, the round's group). A published experiment or a checkpoint that leaves this
+    out means false (releases before 2026-12-07 neither publish nor wait for the group)."""
     error_feedback: bool = False
     """Keep what quantization dropped from this peer's pseudo-gradient and add it to the next round's
     (EF-SGD). Kept in checkpoints."""
@@ -758,7 +766,7 @@ released and fails when one changes."""
 
 
 ABSENT_MEANS: dict[str, dict[str, Any]] = {
-    "averaging": {"packed": False, "agreed_groups": False},
+    "averaging": {"packed": False, "agreed_groups": False, "settled_groups": False},
     "outer": {"overlap": False},
 }
 """Fields whose absence means other than their default: a field added with a new behaviour as its default

@@ -20,6 +20,9 @@ The rules, in the order a round meets them (docs/architecture.md has them in one
 * **Barrier** (:func:`barrier`). After its inner phase a peer waits for every live peer that will train
   its round (those in it, and those one round behind) to finish theirs, until a deadline; if the swarm
   moves past its round meanwhile, its pseudo-gradient is stale: it drops it and catches up.
+* **Settle the group** (:func:`settle`). Past the barrier a peer says whom it found ready, and averages
+  with everyone its group's members name (and so on): peers whose barriers saw a late peer differently
+  still go into one all-reduce.
 * **Canonical params** (:func:`rebase_donors`). Peers at a barrier must hold the same params. If ours
   differ from the canonical ones (:func:`p2ptrain.records.canonical_hash`), we take them and keep our
   inner progress on top (a rebase).
@@ -192,6 +195,7 @@ class SwarmMemory:
         self._final_votes: dict[str, Vote] = {}
         self._ignored: set[str] = set()
         self._waited_out: dict[str, int] = {}
+        self._unsaid: dict[str, int] = {}
         self._lock = threading.Lock()
 
     def observe(self, records: Records, my_round: int | None = None) -> None:
@@ -224,6 +228,16 @@ class SwarmMemory:
     def waited_out_on(self, peers: Iterable[str], round: int) -> None:
         with self._lock:
             self._waited_out.update({p: round for p in peers})
+
+    def unsaid(self, my_round: int) -> set[str]:
+        """Peers :func:`settle` waited for in vain in the last ``WAITED_OUT_ROUNDS`` rounds: not waited for
+        again until then (a peer that never says whom it goes with costs one wait per 16 rounds at most)."""
+        with self._lock:
+            return {p for p, r in self._unsaid.items() if my_round < r + self.WAITED_OUT_ROUNDS}
+
+    def unsaid_on(self, peers: Iterable[str], round: int) -> None:
+        with self._lock:
+            self._unsaid.update({p: round for p in peers})
 
     def averaged_with(self, peers: Iterable[str]) -> None:
         with self._lock:
@@ -460,6 +474,61 @@ def barrier(
     if now >= deadline:
         return Barrier(BarrierState.GO, ready, waiting, timed_out=True)
     return Barrier(BarrierState.WAIT, ready, waiting)
+
+
+@dataclass(frozen=True)
+class Settled:
+    done: bool
+    """Whether the group is settled (or the wait for it ran out): average with ``group``."""
+    group: list[str]
+    """Everyone named, transitively, by the group our barrier found ready, us included (sorted), but for those
+    that are not ready in our round."""
+    waiting_for: list[str] = field(default_factory=list)
+    """Peers in it that are not ready, or have not said whom they go with: why we wait (or, when ``done``,
+    whom we waited for in vain)."""
+
+
+def settle(
+    me: str,
+    round: int,
+    mine: Iterable[str],
+    others: Records,
+    *,
+    timed_out: bool,
+    not_waited: Iterable[str] = (),
+) -> Settled:
+    """The round's group, from ours (``mine``: whom our barrier found ready) and the groups its members
+    published (``ProgressRecord.group``, averaging.settled_groups).
+
+    Peers that pass a barrier a moment apart can find different peers ready: one that turned ready in
+    between (one nobody waits for: a peer a barrier timed out on, a paused one) is in one group and not in the
+    other. Each would name its own leader (``averaging.barrier_leader``) and go into its own all-reduce: the
+    round loses the work of those left in the smaller one. So each peer adds everyone the members of its
+    group name, and those they name, and so on, and waits until each of them is ready and has said whom it
+    goes with. Peers whose groups reach each other end with the same group. A peer that turned ready after
+    everyone else had passed (nobody named it) names a larger group than theirs, and only its own attempt
+    suffers; it is never in their way.
+
+    At ``timed_out`` a peer that never got ready is left out, and one that is ready but never said whom it
+    goes with (a crashed peer, a hostile one) stays in: someone saw it ready. ``not_waited``: peers we waited
+    for in vain in a recent round (:meth:`SwarmMemory.unsaid`), which cost no second wait for a while.
+    """
+    ready = {pid for pid, r in others.items() if r.round == round and r.state == PeerState.AVERAGING}
+    group = {me, *mine}
+    frontier = sorted(group - {me})
+    while frontier:
+        record = others.get(frontier.pop())
+        if record is None or record.peer_id not in ready:
+            continue
+        named = set(record.group) - group
+        group |= named
+        frontier += sorted(named)
+    unready = {p for p in group - {me} if p not in ready}
+    # As the barrier: those still in our round, or the one before, may yet get ready in ours.
+    coming = _live_in(others, round) | _live_in(others, round - 1)
+    unsaid = {p for p in group - {me} if p in ready and not others[p].group}
+    waiting = sorted(((unready & coming) | unsaid) - set(not_waited))
+    return Settled(timed_out or not waiting, sorted(group - unready), waiting)
 
 
 def rebase_donors(me: Me, group: Iterable[ProgressRecord]) -> list[str] | None:

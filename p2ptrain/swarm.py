@@ -230,6 +230,7 @@ class LocalStatus:
     benchmark_flops: float = 0.0
     compute_s: float = 0.0
     rounds_contributed: int = 0
+    group: list[str] = field(default_factory=list)
     # A verifiable round's claims (records.ProgressRecord documents them).
     numeric_class: str = ""
     shard: str = ""
@@ -249,7 +250,7 @@ class LocalStatus:
     banned: list[str] = field(default_factory=list)
 
 
-_AT_ONCE = {"state", "round", "params_hash", "seal", "nonce", "sketch", "verdict", "ref_sketch"}
+_AT_ONCE = {"state", "round", "params_hash", "group", "seal", "nonce", "sketch", "verdict", "ref_sketch"}
 """Changes published at once, not with the next beat, and pushed to every peer: replicas and the barrier wait
 on them. The others (samples, throughput, counters) reach the DHT with the next beat and the peers with the
 next push."""

@@ -812,7 +812,7 @@ class Trainer:
         if self._sync is not None or step_s > self.cfg.averaging.matchmaking_time_s * STEP_OF_MATCHMAKING:
             return False
         if stats.steps == extra_of:
-            self.board.update(state=PeerState.AVERAGING, samples_round=stats.samples)
+            self.board.update(state=PeerState.AVERAGING, samples_round=stats.samples, group=[])
         # No deadline here: the barrier's own counts from the end of the inner phase.
         if self._barrier_decision(deadline=float("inf")).state != BarrierState.WAIT:
             return False
@@ -852,7 +852,7 @@ class Trainer:
         then loads the swarm's state) or a stop was requested. Before returning a group, makes sure we hold
         the group's canonical params (rebasing our inner progress onto them if not).
         """
-        self.board.update(state=PeerState.AVERAGING)
+        self.board.update(state=PeerState.AVERAGING, group=[])
         deadline = time.monotonic() + self.cfg.averaging.barrier_timeout_s
         with self._waiting() as waiting:
             while True:
@@ -884,12 +884,58 @@ class Trainer:
                 ready=len(decision.ready),
                 waiting_for=[pid[-8:] for pid in decision.waiting_for],
             )
-        donors = protocol.rebase_donors(self.me(), decision.ready)
+        group = self.settle(decision.ready) if self.cfg.averaging.settled_groups else decision.ready
+        if group is None:
+            return None  # stopping
+        donors = protocol.rebase_donors(self.me(), group)
         if donors is not None:
             self.log.warning("params differ from the swarm's; rebasing onto them", round=self.round)
-            canon = next(r.params_hash for r in decision.ready if r.peer_id in donors)
+            canon = next(r.params_hash for r in group if r.peer_id in donors)
             self.load_state(donors, why="rebase", expect=canon, rebase=True, round=self.round)
-        return decision.ready
+        return group
+
+    def settle(self, ready: list[ProgressRecord]) -> list[ProgressRecord] | None:
+        """Say whom our barrier found ready, and return the round's group as its members' say settles it
+        (:func:`protocol.settle`): a peer that turned ready as the barriers passed is in all our groups or in
+        none. None if a stop was requested."""
+        mine = sorted({self.peer_id, *(r.peer_id for r in ready)})
+        if len(mine) > MAX_LISTED:  # more than a record lists: nobody's group is settled (nor waited for)
+            return ready
+        self.board.update(group=mine)
+        deadline = time.monotonic() + self.cfg.averaging.matchmaking_time_s
+        with self._waiting() as waiting:
+            while True:
+                others = self._visible()
+                settled = protocol.settle(
+                    self.peer_id,
+                    self.round,
+                    mine,
+                    others,
+                    timed_out=time.monotonic() >= deadline,
+                    not_waited=self.memory.unsaid(self.round),
+                )
+                if settled.done:
+                    break
+                waiting.update(
+                    f"round {self.round}: settling the group", waiting_for=len(settled.waiting_for)
+                )
+                self.board.wait_for_news(min(BARRIER_POLL_S, self._poll_s))
+                if self.stop.is_set():
+                    return None
+        if settled.waiting_for:
+            self.memory.unsaid_on(settled.waiting_for, self.round)
+            self.log.warning(
+                "the round's group did not settle in time: going on without waiting for these peers",
+                round=self.round,
+                waited_for=[p[-8:] for p in settled.waiting_for],
+            )
+        if added := sorted(set(settled.group) - set(mine)):
+            self.log.info(
+                "the round's group grew: groupmates found peers ready that our barrier had not",
+                round=self.round,
+                added=[p[-8:] for p in added],
+            )
+        return [others[p] for p in settled.group if p != self.peer_id]
 
     def _barrier_decision(self, deadline: float) -> protocol.Barrier:
         """The barrier's decision on the records we hold now (go, wait, or stale)."""

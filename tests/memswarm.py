@@ -114,6 +114,10 @@ class Injector:
         # who served it goes to tampered_donors.
         self.tamper_donation: Callable[[dict, list], tuple[dict, list]] | None = None
         self.tampered_donors: list[str] = []
+        # observer -> (peer, round): while the observer is at that round's barrier (averaging, its group not
+        # yet said), it reads the peer as paused: a peer that turned ready as the barriers passed, which one
+        # barrier saw and another did not wait for.
+        self.unseen_at_barrier: dict[str, tuple[str, int]] = {}
 
     def fail_at(self, peer: str | None, point: Point, round: int | None = None) -> None:
         self._faults.append(Fault(peer, point, round))
@@ -301,7 +305,14 @@ class MemoryBoard:
         self._peer.swarm.carry(self._peer.peer_id, record)
 
     def _read(self, *, trainer: bool = False) -> dict[str, ProgressRecord]:
-        records = self._peer.swarm.injector.seen_by(self._peer.name, self._peer.swarm.read(), trainer=trainer)
+        peer = self._peer
+        records = peer.swarm.injector.seen_by(peer.name, peer.swarm.read(), trainer=trainer)
+        unseen = peer.swarm.injector.unseen_at_barrier.get(peer.name)
+        status = peer.status
+        if unseen is not None and status["round"] == unseen[1] and status["state"] == PeerState.AVERAGING:
+            hidden = records.get(peer.swarm.peer_id(unseen[0]))
+            if not status.get("group") and hidden is not None and hidden.round == unseen[1]:
+                records = {**records, hidden.peer_id: hidden.copy(update={"state": PeerState.PAUSED})}
         for observe in self._subscribers:  # as swarm.Swarm: every reading reaches its subscribers
             observe(records)
         return records
@@ -355,6 +366,7 @@ class MemoryAverager:
     def expect_group(self, peers, round: int, clients=()) -> None:
         self._expected = len(peers)
         self._peer.swarm.named_clients[(self._peer.peer_id, round)] = sorted(clients)
+        self._peer.swarm.named_groups[(self._peer.peer_id, round)] = sorted(peers)
 
     def leave_out(self, peers, round: int, weights=None, sealed=None) -> None:
         with self._peer.swarm._lock:
@@ -416,6 +428,8 @@ class MemorySwarm:
         expect (``expect_group``), None if it told none."""
         self.named_clients: dict[tuple[str, int], list[str]] = {}
         """(peer, round) -> the members in client mode that peer named to its averager (``expect_group``)."""
+        self.named_groups: dict[tuple[str, int], list[str]] = {}
+        """(peer, round) -> the group that peer named to its averager (``expect_group``)."""
         self.averaged: list[tuple[int, list[str]]] = []
         """(round, the members whose parts made the average) of every all-reduce that produced one."""
         self.sealed: dict[tuple[str, int], dict[str, Sealed]] = {}

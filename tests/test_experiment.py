@@ -169,11 +169,14 @@ def test_releases_mix_a_field_left_out_is_its_default_and_a_newer_ones_field_is_
         check(cfg, newer)
 
 
-@pytest.mark.parametrize("field", ["packed", "agreed_groups"])
+NEWER_WIRE = ["packed", "agreed_groups", "settled_groups"]
+
+
+@pytest.mark.parametrize("field", NEWER_WIRE)
 def test_a_run_of_an_older_release_is_joined_with_its_wire(keys, field):
-    """averaging.packed and averaging.agreed_groups are new and on by default, yet a run that leaves them out
-    (an older release's) means false (config.ABSENT_MEANS): its joiners send tensor by tensor and average
-    under the leader's group id, as its older peers do."""
+    """averaging.packed, agreed_groups and settled_groups are new and on by default, yet a run that leaves
+    them out (an older release's) means false (config.ABSENT_MEANS): its joiners send tensor by tensor,
+    average under the leader's group id and neither publish nor wait for groups, as its older peers do."""
     cfg = cfg_of()
     ours = verified(sign(cfg, keys[0]))
     assert ours is not None and ours.sections["averaging"][field] is True  # said, so an older one refuses
@@ -182,9 +185,9 @@ def test_a_run_of_an_older_release_is_joined_with_its_wire(keys, field):
     older = dataclasses.replace(ours, sections=old_sections, digest=digest(old_sections))
     joiner = config_for(older)
     assert getattr(joiner.averaging, field) is False
-    check(cfg_of(averaging__packed=False, averaging__agreed_groups=False), older)
+    check(cfg_of(**{f"averaging__{f}": False for f in NEWER_WIRE}), older)
     with pytest.raises(ConfigError, match=f"averaging.{field}: true here, false in the swarm"):
-        check(cfg_of(**{f"averaging__{'agreed_groups' if field == 'packed' else 'packed'}": False}), older)
+        check(cfg_of(**{f"averaging__{f}": False for f in NEWER_WIRE if f != field}), older)
     with pytest.raises(ConfigError, match=f"averaging.{field}"):
         config_for(older, {"averaging": {field: True}})
 

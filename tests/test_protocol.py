@@ -338,6 +338,71 @@ def test_barrier_deadline_goes_with_whoever_is_ready():
     assert [r.peer_id for r in decision.ready] == ["a"] and decision.waiting_for == ["b"]
 
 
+def ready(peer, *group, round=3):
+    """A record of ``peer`` past its barrier of ``round``, saying it goes with ``group`` (empty: not said yet)."""
+    return rec(peer, round, "averaging").copy(update={"group": sorted(group)})
+
+
+def test_a_peer_one_barrier_found_ready_and_another_did_not_is_in_both_groups():
+    # "l" turned ready between a's barrier and b's (b did not wait for it: paused a moment before, or timed
+    # out on in an earlier round). a saw it; b did not. Alone, each would name its own leader.
+    mine = ["a", "me"]  # we are b
+    others = table(ready("a", "a", "l", "me"), ready("l", "a", "l", "me"))
+    settled = protocol.settle("me", 3, mine, others, timed_out=False)
+    assert settled.done and settled.group == ["a", "l", "me"]
+    # Ours named it from the start: the same group.
+    assert protocol.settle("me", 3, ["a", "l", "me"], others, timed_out=False).group == ["a", "l", "me"]
+    # Transitively: a names c, c names l.
+    chain = table(
+        ready("a", "a", "c", "me"), ready("c", "a", "c", "l", "me"), ready("l", "a", "c", "l", "me")
+    )
+    assert protocol.settle("me", 3, ["a", "me"], chain, timed_out=False).group == ["a", "c", "l", "me"]
+
+
+def test_the_group_waits_for_every_member_to_say_whom_it_goes_with():
+    # a has not said yet: it may name a peer we did not see ready.
+    others = table(ready("a"), ready("l", "a", "l", "me"))
+    settled = protocol.settle("me", 3, ["a", "me"], others, timed_out=False)
+    assert not settled.done and settled.waiting_for == ["a"]
+    # A peer named by a member that is not ready yet (our records lag behind the member's) is waited for.
+    lagging = table(ready("a", "a", "l", "me"), rec("l", 3, "training"))
+    settled = protocol.settle("me", 3, ["a", "me"], lagging, timed_out=False)
+    assert not settled.done and settled.waiting_for == ["l"]
+    # Out of time: a member that is ready and never said stays in (someone saw it ready); one that never got
+    # ready is left out, and so is one that cannot get ready in our round (past it, gone), without a wait.
+    settled = protocol.settle("me", 3, ["a", "me"], others, timed_out=True)
+    assert settled.done and settled.group == ["a", "me"] and settled.waiting_for == ["a"]
+    settled = protocol.settle("me", 3, ["a", "me"], lagging, timed_out=True)
+    assert settled.done and settled.group == ["a", "me"]
+    for gone in (rec("l", 4, "training"), rec("l", 3, "left")):
+        settled = protocol.settle(
+            "me", 3, ["a", "me"], table(ready("a", "a", "l", "me"), gone), timed_out=False
+        )
+        assert settled.done and settled.group == ["a", "me"] and settled.waiting_for == []
+    # One we waited for in vain lately costs no second wait: in, unheard.
+    settled = protocol.settle("me", 3, ["a", "me"], others, timed_out=False, not_waited={"a"})
+    assert settled.done and settled.group == ["a", "me"]
+    # A group said for another round (a record that moved on) is not this round's.
+    moved = table(ready("a", "a", "l", "me", round=2), ready("l", "a", "l", "me"))
+    assert protocol.settle("me", 3, ["a", "me"], moved, timed_out=True).group == ["me"]
+
+
+def test_a_peer_that_turned_ready_after_everyone_passed_names_a_larger_group_alone():
+    # Nobody saw "l" ready: everyone else settles without it (only its own attempt may fail).
+    others = table(ready("a", "a", "me"), ready("l", "a", "l", "me"))
+    assert protocol.settle("me", 3, ["a", "me"], others, timed_out=False).group == ["a", "me"]
+    assert protocol.settle(
+        "l", 3, ["a", "l", "me"], table(ready("a", "a", "me"), ready("me", "a", "me")), timed_out=False
+    ).group == ["a", "l", "me"]
+
+
+def test_unsaid_peers_are_not_waited_for_again_for_a_while():
+    memory = SwarmMemory(num_rounds=100)
+    memory.unsaid_on(["h"], 5)
+    assert memory.unsaid(5) == {"h"} and memory.unsaid(5 + SwarmMemory.WAITED_OUT_ROUNDS - 1) == {"h"}
+    assert memory.unsaid(5 + SwarmMemory.WAITED_OUT_ROUNDS) == set()
+
+
 def test_rebase_onto_the_majority_then_the_larger_group_then_the_smaller_hash():
     assert protocol.rebase_donors(me(h="aa"), [rec("a", h="aa"), rec("b", h="bb")]) is None
     assert protocol.rebase_donors(me(h="cc"), [rec("a", h="bb"), rec("b", h="bb")]) == ["a", "b"]

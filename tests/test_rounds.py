@@ -232,6 +232,38 @@ def test_matchmaking_expects_the_barriers_group_and_one_peer_of_it_evaluates_eac
     assert len({name for name, rounds in evaluated.items() if set(rounds) - {last}}) > 1  # in turn
 
 
+@pytest.mark.parametrize("settled", [True, False])
+def test_a_peer_that_turns_ready_as_the_barriers_pass_is_in_every_group_or_in_none(tmp_path, settled):
+    """c turns ready in round 1 just after b passed its barrier (b did not wait for it: it read c as paused,
+    as a peer it timed out on before) and before a passed its own (a waited for it). With settled groups b
+    hears from a that c is in, and every peer names the same group; without (a release before 2026-12-07),
+    b names another, and in a real swarm another leader: a split round."""
+    injector = Injector()
+    swarm = MemorySwarm(injector)
+    injector.unseen_at_barrier["b"] = ("c", 1)
+
+    def b_passed() -> bool:
+        b = swarm.peer_id("b")
+        return (b, 1) in swarm.named_groups or bool(swarm._peers[b].status.get("group"))
+
+    injector.stall_at("c", Point.BARRIER, round=1, seconds=10.0, until=b_passed)
+    # Settling waits matchmaking_time_s at most for a member to say: ample on a busy machine.
+    averaging = {"settled_groups": settled, "matchmaking_time_s": 3.0, "matchmaking_timeout_s": 4.0}
+    peers = start(swarm, tmp_path, ["a", "b", "c"], averaging=averaging, swarm={"linger_s": 10.0})
+    finish(peers)
+    ids = sorted(p.trainer.peer_id for p in peers.values())
+    named = {pid: group for (pid, r), group in swarm.named_groups.items() if r == 1}
+    assert ("c", Point.BARRIER, 1) in injector.fired and len(named) == 3, (injector.fired, named)
+    if not settled:
+        assert named[swarm.peer_id("b")] == sorted([swarm.peer_id("a"), swarm.peer_id("b")]), named
+        return
+    assert all(group == ids for group in named.values()), named
+    assert_swarm_contract(tmp_path, peers, ["a", "b", "c"])
+    for p in peers.values():
+        assert p.trainer.rounds_applied == [0, 1, 2, 3]
+    assert (1, ids) in [(r, sorted(m)) for r, m in swarm.averaged], swarm.averaged
+
+
 @pytest.mark.parametrize("background", [True, False])
 def test_a_peer_evaluates_a_copy_of_the_rounds_params_while_it_trains_the_next_round(
     tmp_path, monkeypatch, background
