@@ -21,8 +21,9 @@ Changes to hivemind 1.1.12's averager, each for a reason:
   round's all-reduce skips hivemind's search of the DHT for a leader (every member polls the matchmaking key,
   each poll answered with every member's declaration): every member asks the round's leader
   (:func:`barrier_leader`: of those not in client mode, the id that hashes lowest with the round) to lead
-  it, and that leader starts once all have joined (:class:`BarrierLeaders`). A retry searches as hivemind
-  does.
+  it, and that leader starts once all have joined (:class:`BarrierLeaders`). A follower that leader refuses
+  for good (its group is full, or it follows another) gives the named search up at once, so that its retry,
+  which searches as hivemind does, meets the retries of the others the leader left without a group.
 * **Robust reducers.** A part that passes those checks may still be wrong (ten times a pseudo-gradient,
   sign flipped). Reducers combine parts with ``averaging.aggregator`` (CenteredClip by default,
   ``aggregation.py``) instead of hivemind's running weighted sum (:class:`RobustPartReducer`).
@@ -53,7 +54,7 @@ import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AllreduceException, AllReduceRunner, AveragingMode
 from hivemind.averaging.group_info import GroupInfo
-from hivemind.averaging.matchmaking import PotentialLeaders
+from hivemind.averaging.matchmaking import MatchmakingException, PotentialLeaders
 from hivemind.averaging.partition import TensorPartContainer, TensorPartReducer
 from hivemind.compression.serialization import combine_from_streaming
 from hivemind.p2p import P2P, P2PContext, PeerID
@@ -620,6 +621,7 @@ class BarrierLeaders(PotentialLeaders):
         """The leader of the next search's group (None: search the DHT as hivemind does)."""
         self._leader: PeerID | None = None  # of the search under way
         self._asked = 0
+        self._refused: str | None = None  # why the named leader will not seat us in this search
 
     def name(self, leader: PeerID) -> None:
         self.named = leader
@@ -632,7 +634,7 @@ class BarrierLeaders(PotentialLeaders):
                 yield self
             return
         async with self.lock_search:
-            self._leader, self._asked = leader, 0
+            self._leader, self._asked, self._refused = leader, 0, None
             self.running.set()
             self.search_end_time = step.deadline if step.deadline is not None else float("inf")
             # The leader expires first: its followers' requests must not expire before it (hivemind's rule).
@@ -647,9 +649,16 @@ class BarrierLeaders(PotentialLeaders):
                 self.declared_group_key, self.declared_expiration_time = None, float("inf")
                 self.search_end_time = float("inf")
 
+    def refused(self, leader: PeerID, why: str) -> None:
+        """The named leader of the search under way will not seat us: end the search (the attempt fails)."""
+        if leader == self._leader:
+            self._refused = why
+
     async def pop_next_leader(self) -> PeerID:
         if self._leader is None:
             return await super().pop_next_leader()
+        if self._refused is not None:
+            raise NamedLeaderRefused(f"the named leader {self._leader} {self._refused}")
         if self._leader != self.peer_id:
             # _request_join_potential_leaders asks it; a refusal (it is not looking for a group yet, say) brings
             # it back here: ask again, a little later each time, until the step's deadline ends the search.
@@ -664,6 +673,49 @@ class BarrierLeaders(PotentialLeaders):
         await asyncio.sleep(max(0.0, self.declared_expiration_time - get_dht_time()))
         self.declared_expiration_time = get_dht_time() + self.min_matchmaking_time
         raise asyncio.TimeoutError("the named group did not fill up in time")
+
+
+class NamedLeaderRefused(MatchmakingException):
+    """The leader the barrier named refused us for good: the first attempt is over (a retry searches the DHT)."""
+
+
+_REFUSED_FOR_GOOD = {
+    averaging_pb2.GROUP_IS_FULL: "its group is full without us (we are not on its roster)",
+    averaging_pb2.NOT_A_LEADER: "it follows another leader (its group is not ours)",
+}
+"""A named leader's answers that no later ask changes in this attempt. It answers NOT_LOOKING_FOR_GROUP while it
+is not looking for a group yet: asked again."""
+
+
+class _AnswersNoted:
+    """Matchmaking's stubs for join requests, noting the code of each leader's first answer (hivemind keeps it
+    to itself: it logs it at debug level and returns None)."""
+
+    def __init__(self, servicer_type):
+        self._servicer_type = servicer_type
+        self.code: int | None = None
+
+    def get_stub(self, p2p, peer, *, namespace=None):
+        stub = self._servicer_type.get_stub(p2p, peer, namespace=namespace)
+        noted = self
+
+        class _Stub:
+            async def rpc_join_group(self, request):
+                stream = await stub.rpc_join_group(request)
+
+                async def answers():
+                    try:
+                        async for message in stream:
+                            if noted.code is None:
+                                noted.code = message.code
+                            yield message
+                    finally:  # hivemind closes what it got: close the stream under it
+                        with contextlib.suppress(RuntimeError):
+                            await stream.aclose()
+
+                return answers()
+
+        return _Stub()
 
 
 class LeftOut:
@@ -1077,14 +1129,19 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
         ask = matchmaking._request_join_group
         # hivemind sets it when a leader accepts our request, and clears it when that leader's stream ends.
         accepted = matchmaking.was_accepted_to_group = _Remembers()
+        answers = matchmaking._servicer_type = _AnswersNoted(matchmaking._servicer_type)
+        leaders = matchmaking.potential_leaders
 
         async def ask_unless_left_out(leader: PeerID):
             if self._left_out_now(leader):
                 return None
             accepted.forget()
+            answers.code = None
             group = await ask(leader)
             if group is None and accepted.was_set and self.client_mode:
                 await self._say_no_group()
+            if group is None and answers.code in _REFUSED_FOR_GOOD:
+                leaders.refused(leader, _REFUSED_FOR_GOOD[answers.code])
             return group
 
         matchmaking._request_join_group = ask_unless_left_out

@@ -274,6 +274,38 @@ def test_a_member_of_the_run_off_the_rounds_roster_takes_no_seat_in_its_named_gr
     assert isinstance(out[intruder.peer_id], AveragingFailed), out
 
 
+def test_a_follower_its_named_leader_refuses_for_good_gives_the_named_search_up_at_once(swarm_of):
+    """A peer whose barrier named a larger group than the leader's (the leader left it off its roster: a
+    hostile leader, or one whose barrier saw the round otherwise) used to ask that leader again and again, each
+    answer a refusal, until matchmaking gave up; the others the leader left without a group had long begun
+    their retries, which then did not meet its own (the attack benchmark lost rounds so). Now the refusal ends
+    its first attempt at once, and its retry searches the DHT."""
+    averagers = swarm_of(3, retries=1)
+    ids = [a.peer_id for a in averagers]
+    # A round whose leader is the same over the leader's roster (it and one other) and over everyone.
+    round_, (leader, seated, refused) = next(
+        (r, trio)
+        for r in range(10, 1000)
+        for trio in [(0, 1, 2), (0, 2, 1), (1, 0, 2), (1, 2, 0), (2, 0, 1), (2, 1, 0)]
+        if barrier_leader(ids, r) == ids[trio[0]] == barrier_leader([ids[trio[0]], ids[trio[1]]], r)
+    )
+    for i in (leader, seated):
+        averagers[i].expect_group([ids[leader], ids[seated]], round_)
+    averagers[refused].expect_group(ids, round_)
+    xs = inputs(3)
+    results = run_parallel(
+        [lambda a=a, x=x: a.average(x, weight=1.0, round=round_) for a, x in zip(averagers, xs)]
+    )
+    for i in (leader, seated):
+        assert not isinstance(results[i], Exception), results
+        assert sorted(results[i].peers) == sorted([ids[leader], ids[seated]])
+    failed = results[refused]
+    assert isinstance(failed, AveragingFailed), results
+    assert "attempt 1: NamedLeaderRefused" in str(failed) and "its group is full without us" in str(failed), (
+        failed
+    )
+
+
 def test_peers_of_different_rounds_never_average(swarm_of):
     averagers = swarm_of(2)
     x = [torch.ones(s) for s in SHAPES]
