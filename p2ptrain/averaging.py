@@ -538,7 +538,10 @@ class Fault(str, Enum):
     whose answer came after its matchmaking gave up or never came, or the leader told it another group than
     ours) or that it gave the group up, or it sent its parts under another group's id (or we answered its
     parts that we hold no such group, and came to hold it a moment later). Left out of the
-    round's retry, not longer: nothing it did is known to be wrong, and the leader may be the one at fault."""
+    round's retry, not longer: nothing it did is known to be wrong, and the leader may be the one at fault.
+    Not even that in a round where a groupmate misbehaved: an honest peer that had already left that one out
+    declines any group that holds it, which explains its absence (the retry then meets it without the
+    misbehaving one; before 2026-12-07 the two honest peers of the attack benchmark lost the round so)."""
     MALFORMED_JOIN = "malformed_join"
     """Its join data, as the leader relayed it, is malformed: the attempt is void. Left out of the round's
     retry (or it would void that too), not longer: the leader may have made it."""
@@ -727,7 +730,8 @@ class LeftOut:
     that stalls on purpose costs us one timeout per 16 rounds at most, then fewer; an honest peer whose
     machine hung once trains on (rebasing onto the swarm's params) and averages with us again 16 rounds later.
     One that voided an attempt without being known to be at fault (``Fault.one_round``) is left out of that
-    round's retry only.
+    round's retry only, and one that was absent not at all in a round in which another misbehaved
+    (``Fault.ABSENT``).
     """
 
     STALL_ROUNDS = 16
@@ -737,13 +741,29 @@ class LeftOut:
         self._until: dict[str, float] = {}
         self._stalls: dict[str, int] = {}
         self._last_stall: dict[str, int] = {}
+        self._absent: dict[str, float] = {}
+        """The round's absentees (of ``_absent_round``), and how long each was left out before."""
+        self._absent_round = -1
+        self._misbehaved_in = -1  # the last round a groupmate misbehaved in
 
     def fault(self, peer: str, fault: Fault, round: int) -> float:
         """Record a fault of ``peer`` in ``round``; returns the last round it is left out of (inf: all)."""
         if fault == Fault.MISBEHAVED:
             until = math.inf
+            self._misbehaved_in = round
+            if self._absent_round == round:  # their absence is explained: they are pardoned
+                for absent, before in self._absent.items():
+                    if absent != peer and self._until.get(absent) == round > before:  # nothing else since
+                        self._until[absent] = before
+                self._absent = {}
+        elif fault == Fault.ABSENT and self._misbehaved_in == round:
+            return self._until.get(peer, -1)  # explained (see Fault.ABSENT)
         elif fault.one_round:
             until = round
+            if fault == Fault.ABSENT:
+                if self._absent_round != round:
+                    self._absent, self._absent_round = {}, round
+                self._absent.setdefault(peer, self._until.get(peer, -1))
         elif self._last_stall.get(peer) == round:  # one stall per round, however many parts it held up
             until = self._until[peer]
         else:

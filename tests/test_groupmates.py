@@ -71,6 +71,26 @@ def test_stalls_leave_a_peer_out_of_16_rounds_then_twice_as_many_counted_once_pe
     assert left.fault("s", Fault.ABSENT, round=22) == math.inf  # never shortens a longer exclusion
 
 
+def test_an_absence_in_a_round_where_a_groupmate_misbehaved_is_explained_and_costs_no_retry():
+    # An honest peer that had left "h" out (it misbehaved towards it before) declines a group that holds it:
+    # it answers that it holds no such group. Where "h" misbehaves towards us in the same round, the retry
+    # goes with that peer (and without "h"), whichever we learn first.
+    left = LeftOut()
+    assert left.fault("a", Fault.ABSENT, round=7) == 7 and left.excludes("a", 7)
+    left.fault("h", Fault.MISBEHAVED, round=7)
+    assert not left.excludes("a", 7) and left.excludes("h", 7)
+    assert left.fault("b", Fault.ABSENT, round=7) == -1 and not left.excludes("b", 7)
+    # Not in another round, and never shorter than what the peer had coming before.
+    assert left.fault("a", Fault.ABSENT, round=8) == 8 and left.excludes("a", 8)
+    left.fault("s", Fault.STALLED, round=9)
+    left.fault("s", Fault.ABSENT, round=10)
+    left.fault("h2", Fault.MISBEHAVED, round=10)
+    assert left.excludes("s", 24)  # its stall's 16 rounds stand
+    # A malformed join is not explained: the retry still goes without its sender.
+    left.fault("m", Fault.MALFORMED_JOIN, round=10)
+    assert left.excludes("m", 10)
+
+
 def _group(*entries):
     from hivemind.averaging.group_info import GroupInfo
     from hivemind.p2p import PeerID
