@@ -698,27 +698,27 @@ class _AnswersNoted:
         self._servicer_type = servicer_type
         self.code: int | None = None
 
-    def get_stub(self, p2p, peer, *, namespace=None):
-        stub = self._servicer_type.get_stub(p2p, peer, namespace=namespace)
-        noted = self
+    def get_stub(self, p2p, peer, *, namespace=None) -> _NotingStub:
+        return _NotingStub(self._servicer_type.get_stub(p2p, peer, namespace=namespace), self)
 
-        class _Stub:
-            async def rpc_join_group(self, request):
-                stream = await stub.rpc_join_group(request)
 
-                async def answers():
-                    try:
-                        async for message in stream:
-                            if noted.code is None:
-                                noted.code = message.code
-                            yield message
-                    finally:  # hivemind closes what it got: close the stream under it
-                        with contextlib.suppress(RuntimeError):
-                            await stream.aclose()
+class _NotingStub:
+    def __init__(self, stub, noted: _AnswersNoted):
+        self._stub, self._noted = stub, noted
 
-                return answers()
+    async def rpc_join_group(self, request):
+        stream = await self._stub.rpc_join_group(request)
+        return self._answers(stream)
 
-        return _Stub()
+    async def _answers(self, stream):
+        try:
+            async for message in stream:
+                if self._noted.code is None:
+                    self._noted.code = message.code
+                yield message
+        finally:  # hivemind closes what it got: close the stream under it
+            with contextlib.suppress(RuntimeError):
+                await stream.aclose()
 
 
 class LeftOut:
@@ -1249,6 +1249,13 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
         if fault == Fault.STALLED and time.monotonic() - refused_at < _REFUSAL_MEMORY_S:
             return  # it did not stall: we refused it (hivemind then counts it as a sender that never came)
         until = self._left_out.fault(peer.to_base58(), fault, self._round)
+        if until < self._round:
+            log.info(
+                "a groupmate declined our group, as an honest one would that left out who misbehaved in it",
+                peer=peer.to_base58(),
+                round=self._round,
+            )
+            return
         log.warning(
             "left a groupmate out",
             peer=peer.to_base58(),

@@ -98,7 +98,8 @@ class ProgressRecord(BaseModel):
     """Rounds of this run whose outer step it applied with its own pseudo-gradient."""
     group: conlist(constr(strict=True, min_length=1, max_length=128), max_items=MAX_LISTED) = []  # type: ignore[valid-type]
     """While ``averaging`` with averaging.settled_groups: whom its barrier found ready in ``round``, itself
-    included (sorted), published once it passed the barrier; empty before (protocol.settle reads it)."""
+    included (sorted), published once it passed the barrier; empty before, and once its state or round
+    changes (protocol.settle reads it)."""
     # A verifiable round's claims (verification.replicas > 1; verify.judge_round reads them), empty otherwise.
     numeric_class: constr(strict=True, max_length=32) = ""  # type: ignore[valid-type]
     """Where it trains: device/dtype (cpu/float32, cuda/bfloat16...). Replicas of one class agree closer."""

@@ -347,6 +347,11 @@ class Swarm:
         """Change this peer's record; state, round and params changes are published at once, the rest with
         the next beat."""
         state_changed = "state" in changes and changes["state"] != self.status.state
+        moved = state_changed or ("round" in changes and changes["round"] != self.status.round)
+        if moved and "group" not in changes:
+            # The group is the one its barrier found in the round it is averaging: not carried past it (a list
+            # of peer ids in every push of the next inner phase doubled what pushes cost at 6 peers).
+            changes = {**changes, "group": []}
         for key, value in changes.items():
             if not hasattr(self.status, key):
                 raise AttributeError(f"a progress record has no field {key!r}")

@@ -812,7 +812,7 @@ class Trainer:
         if self._sync is not None or step_s > self.cfg.averaging.matchmaking_time_s * STEP_OF_MATCHMAKING:
             return False
         if stats.steps == extra_of:
-            self.board.update(state=PeerState.AVERAGING, samples_round=stats.samples, group=[])
+            self.board.update(state=PeerState.AVERAGING, samples_round=stats.samples)
         # No deadline here: the barrier's own counts from the end of the inner phase.
         if self._barrier_decision(deadline=float("inf")).state != BarrierState.WAIT:
             return False
@@ -852,7 +852,7 @@ class Trainer:
         then loads the swarm's state) or a stop was requested. Before returning a group, makes sure we hold
         the group's canonical params (rebasing our inner progress onto them if not).
         """
-        self.board.update(state=PeerState.AVERAGING, group=[])
+        self.board.update(state=PeerState.AVERAGING)
         deadline = time.monotonic() + self.cfg.averaging.barrier_timeout_s
         with self._waiting() as waiting:
             while True:

@@ -268,6 +268,9 @@ class MemoryBoard:
         peer.check_alive()
         if changes.get("state") == PeerState.AVERAGING:
             peer.hit(Point.BARRIER, peer.status["round"])  # before it says so: its record still says training
+        moved = any(k in changes and changes[k] != peer.status[k] for k in ("state", "round"))
+        if moved and "group" not in changes:  # as swarm.Swarm.update: the group is the round's
+            changes = {**changes, "group": []}
         peer.status.update(changes)
         peer.swarm.publish(peer)
         state, round_ = peer.status["state"], peer.status["round"]
