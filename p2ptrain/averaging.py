@@ -741,29 +741,21 @@ class LeftOut:
         self._until: dict[str, float] = {}
         self._stalls: dict[str, int] = {}
         self._last_stall: dict[str, int] = {}
-        self._absent: dict[str, float] = {}
-        """The round's absentees (of ``_absent_round``), and how long each was left out before."""
-        self._absent_round = -1
-        self._misbehaved_in = -1  # the last round a groupmate misbehaved in
+        self._absent: dict[str, int] = {}  # the round each peer was last absent in (Fault.ABSENT)
+        self._misbehaved_in = (
+            -1
+        )  # the last round a groupmate misbehaved in: it explains that round's absences
 
     def fault(self, peer: str, fault: Fault, round: int) -> float:
         """Record a fault of ``peer`` in ``round``; returns the last round it is left out of (inf: all)."""
+        if fault == Fault.ABSENT:
+            self._absent[peer] = round
+            return max(self._until.get(peer, -1), -1 if self._explains(round) else round)
         if fault == Fault.MISBEHAVED:
             until = math.inf
             self._misbehaved_in = round
-            if self._absent_round == round:  # their absence is explained: they are pardoned
-                for absent, before in self._absent.items():
-                    if absent != peer and self._until.get(absent) == round > before:  # nothing else since
-                        self._until[absent] = before
-                self._absent = {}
-        elif fault == Fault.ABSENT and self._misbehaved_in == round:
-            return self._until.get(peer, -1)  # explained (see Fault.ABSENT)
         elif fault.one_round:
             until = round
-            if fault == Fault.ABSENT:
-                if self._absent_round != round:
-                    self._absent, self._absent_round = {}, round
-                self._absent.setdefault(peer, self._until.get(peer, -1))
         elif self._last_stall.get(peer) == round:  # one stall per round, however many parts it held up
             until = self._until[peer]
         else:
@@ -778,7 +770,12 @@ class LeftOut:
         self._until[peer] = max(self._until.get(peer, -1), round)
 
     def excludes(self, peer: str, round: float) -> bool:
-        return round <= self._until.get(peer, -1)
+        absent = self._absent.get(peer) == round and not self._explains(round)
+        return absent or round <= self._until.get(peer, -1)
+
+    def _explains(self, round: float) -> bool:
+        """Whether a groupmate misbehaved in ``round``, which explains an absence in it (``Fault.ABSENT``)."""
+        return self._misbehaved_in == round
 
     def for_good(self) -> list[str]:
         """The peers left out for the rest of the run."""

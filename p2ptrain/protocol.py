@@ -222,22 +222,26 @@ class SwarmMemory:
     def waited_out(self, my_round: int) -> set[str]:
         """Peers a barrier waited a whole timeout for in the last ``WAITED_OUT_ROUNDS`` rounds, that we have not
         averaged with since (an honest peer that was slow once is waited for again after that)."""
-        with self._lock:
-            return {p for p, r in self._waited_out.items() if my_round < r + self.WAITED_OUT_ROUNDS}
+        return self._recent(self._waited_out, my_round)
 
     def waited_out_on(self, peers: Iterable[str], round: int) -> None:
-        with self._lock:
-            self._waited_out.update({p: round for p in peers})
+        self._mark(self._waited_out, peers, round)
 
     def unsaid(self, my_round: int) -> set[str]:
         """Peers :func:`settle` waited for in vain in the last ``WAITED_OUT_ROUNDS`` rounds: not waited for
         again until then (a peer that never says whom it goes with costs one wait per 16 rounds at most)."""
-        with self._lock:
-            return {p for p, r in self._unsaid.items() if my_round < r + self.WAITED_OUT_ROUNDS}
+        return self._recent(self._unsaid, my_round)
 
     def unsaid_on(self, peers: Iterable[str], round: int) -> None:
+        self._mark(self._unsaid, peers, round)
+
+    def _recent(self, marks: dict[str, int], my_round: int) -> set[str]:
         with self._lock:
-            self._unsaid.update({p: round for p in peers})
+            return {p for p, r in marks.items() if my_round < r + self.WAITED_OUT_ROUNDS}
+
+    def _mark(self, marks: dict[str, int], peers: Iterable[str], round: int) -> None:
+        with self._lock:
+            marks.update({p: round for p in peers})
 
     def averaged_with(self, peers: Iterable[str]) -> None:
         with self._lock:

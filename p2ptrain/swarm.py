@@ -250,6 +250,14 @@ class LocalStatus:
     banned: list[str] = field(default_factory=list)
 
 
+def with_group_cleared(changes: dict[str, Any], *, state: PeerState, round: int) -> dict[str, Any]:
+    """``changes`` to a record now at ``state`` and ``round``, clearing its ``group`` when they move it on: the
+    group is the one its barrier found in the round it is averaging, not carried past it (a list of peer ids
+    in every push of the next inner phase doubled what pushes cost at 6 peers)."""
+    moved = changes.get("state", state) != state or changes.get("round", round) != round
+    return {**changes, "group": []} if moved and "group" not in changes else changes
+
+
 _AT_ONCE = {"state", "round", "params_hash", "group", "seal", "nonce", "sketch", "verdict", "ref_sketch"}
 """Changes published at once, not with the next beat, and pushed to every peer: replicas and the barrier wait
 on them. The others (samples, throughput, counters) reach the DHT with the next beat and the peers with the
@@ -347,11 +355,7 @@ class Swarm:
         """Change this peer's record; state, round and params changes are published at once, the rest with
         the next beat."""
         state_changed = "state" in changes and changes["state"] != self.status.state
-        moved = state_changed or ("round" in changes and changes["round"] != self.status.round)
-        if moved and "group" not in changes:
-            # The group is the one its barrier found in the round it is averaging: not carried past it (a list
-            # of peer ids in every push of the next inner phase doubled what pushes cost at 6 peers).
-            changes = {**changes, "group": []}
+        changes = with_group_cleared(changes, state=self.status.state, round=self.status.round)
         for key, value in changes.items():
             if not hasattr(self.status, key):
                 raise AttributeError(f"a progress record has no field {key!r}")
