@@ -186,8 +186,8 @@ class SwarmMemory:
 
     def __init__(self, num_rounds: int):
         self.num_rounds = num_rounds
-        self.highest_round = -1
-        """The highest round a peer (not one we gave up on) has been seen holding params of."""
+        self._floor = -1
+        self._claims: dict[str, int] = {}
         self.swarm_finished = False
         """Some peer finished the run: a final model of this swarm exists."""
         self.behind_since: float | None = None
@@ -198,19 +198,40 @@ class SwarmMemory:
         self._unsaid: dict[str, int] = {}
         self._lock = threading.Lock()
 
-    def observe(self, records: Records, my_round: int | None = None) -> None:
-        """Remember what other peers' records show (only what is :func:`credible` at ``my_round``)."""
-        if my_round is not None:
-            records = credible(records, my_round)
+    @property
+    def highest_round(self) -> int:
+        """The highest round a peer (not one we gave up on) has been seen holding params of: what a live peer's
+        record credibly shows now, and what a gone peer's showed last."""
         with self._lock:
-            for r in records.values():
-                if not r.params_hash or r.state == PeerState.LOADING:
+            return self._highest()
+
+    def _highest(self) -> int:
+        return max(self._floor, *self._claims.values()) if self._claims else self._floor
+
+    def observe(
+        self, records: Records, my_round: int | None = None, *, distrusted: Iterable[str] = ()
+    ) -> None:
+        """Remember what other peers' records show (only what is :func:`credible` at ``my_round``).
+
+        A peer whose record is here speaks for itself: a claim it made that is no longer credible, or that it
+        no longer makes, is forgotten, as is any claim of a ``distrusted`` peer (banned, refused). A gone
+        peer's last claim stays. A lone insider's claim of round 1, read as a run starts before any honest
+        record had arrived, was credible in that reading, and was remembered after the honest records
+        outvoted it: its reader waited ``swarm.catch_up_timeout_s`` for a round nobody held (138 s, 1 run of
+        3 of the attack benchmark, 2026-12-07)."""
+        believed = records if my_round is None else credible(records, my_round)
+        with self._lock:
+            for pid in distrusted:
+                self._claims.pop(pid, None)
+            for pid, r in records.items():
+                if pid not in believed or not r.params_hash or r.state == PeerState.LOADING:
+                    self._claims.pop(pid, None)
                     continue
                 if r.round >= self.num_rounds and r.state in (PeerState.DONE, PeerState.LEFT):
-                    self._final_votes[r.peer_id] = Vote.of(r)
+                    self._final_votes[pid] = Vote.of(r)
                     self.swarm_finished = True
-                if r.peer_id not in self._ignored:
-                    self.highest_round = max(self.highest_round, r.round)
+                if pid not in self._ignored:
+                    self._claims[pid] = r.round
 
     def final_votes(self) -> list[Vote]:
         """The vote of every peer seen with final params (round ``num_rounds``, done or left)."""
@@ -253,7 +274,8 @@ class SwarmMemory:
         ahead (until they are no longer ahead of us)."""
         with self._lock:
             self._ignored |= set(peers)
-            self.highest_round = my_round
+            self._floor = my_round
+            self._claims = {p: r for p, r in self._claims.items() if r <= my_round}
             self.behind_since = None
 
     def visible(self, others: Records, my_round: int) -> dict[str, ProgressRecord]:
@@ -267,7 +289,7 @@ class SwarmMemory:
     def to_dict(self) -> dict:
         with self._lock:
             return {
-                "highest_round": self.highest_round,
+                "highest_round": self._highest(),
                 "swarm_finished": self.swarm_finished,
                 "final_votes": {
                     pid: [v.params_hash, v.last_group_size, v.serves] for pid, v in self._final_votes.items()
@@ -278,7 +300,7 @@ class SwarmMemory:
         """Merge what a checkpoint kept (:meth:`to_dict`); malformed parts are ignored."""
         with self._lock:
             if isinstance(saved.get("highest_round"), int):
-                self.highest_round = max(self.highest_round, saved["highest_round"])
+                self._floor = max(self._floor, saved["highest_round"])
             self.swarm_finished = self.swarm_finished or saved.get("swarm_finished") is True
             votes = saved.get("final_votes")
             for pid, vote in (votes if isinstance(votes, dict) else {}).items():

@@ -1822,7 +1822,8 @@ class Trainer:
 
     def _remember(self, records: dict[str, ProgressRecord]) -> None:
         """Fed every reading of the records, the heartbeat's too: the swarm's progress is noticed while we train."""
-        self.memory.observe(self._in_run(records), self.round)
+        in_run = self._in_run(records)
+        self.memory.observe(in_run, self.round, distrusted=records.keys() - in_run.keys())
 
     @property
     def _poll_s(self) -> float:

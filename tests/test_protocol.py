@@ -84,6 +84,30 @@ def test_memory_counts_only_credible_claims_ahead():
     assert memory.highest_round == 10 and memory.swarm_finished
 
 
+def test_a_claim_credible_in_an_early_reading_is_forgotten_once_the_swarm_outvotes_it():
+    """An insider claims round 1 as the run starts; one honest peer reads it before any other record has
+    arrived (the only holder: credible), then the other honest peer's record, loading into round 0. The claim
+    was remembered, and its reader waited swarm.catch_up_timeout_s for a round nobody held."""
+    memory = SwarmMemory(num_rounds=10)
+    liar = rec("h", 1, h="ee")
+    memory.observe(table(liar), my_round=0)
+    assert memory.highest_round == 1  # believed, alone
+    outvoted = table(liar, rec("b", 0, state="loading", h="00"))
+    memory.observe(outvoted, my_round=0)
+    assert memory.highest_round == -1
+    decision = protocol.behind(
+        me(round=0), memory.visible(outvoted, 0), memory, now=0.0, resting=(), timeout_s=10
+    )
+    assert decision.state == BehindState.NO
+    # A peer that is gone keeps what it last showed (it may have crashed holding the swarm's newest state)...
+    memory.observe(table(rec("a", 4, h="ff")), my_round=3)
+    memory.observe({}, my_round=3)
+    assert memory.highest_round == 4
+    # ...unless it is distrusted (banned, refused): its claims go with it.
+    memory.observe({}, my_round=3, distrusted=["a"])
+    assert memory.highest_round == -1
+
+
 def test_a_reading_mid_outer_step_is_unsettled_and_a_settled_one_is_not():
     newcomer = me(round=0)
     # a published its step into round 4, b is still averaging round 3: neither is credible alone.
