@@ -691,30 +691,53 @@ is not looking for a group yet: asked again."""
 
 
 class _AnswersNoted:
-    """Matchmaking's stubs for join requests, noting the code of each leader's first answer (hivemind keeps it
-    to itself: it logs it at debug level and returns None)."""
+    """Matchmaking's stubs for join requests, noting the code of each leader's first answer, and the last
+    answer of the last leader asked (hivemind keeps them to itself: it logs them at debug level and returns
+    None)."""
 
     def __init__(self, servicer_type):
         self._servicer_type = servicer_type
+        self.forget()
+
+    def forget(self) -> None:
         self.code: int | None = None
+        self.last: int | None = None
+        self.last_from: PeerID | None = None
+        self.accepted_at = 0.0  # time.monotonic() of the last ACCEPTED
 
     def get_stub(self, p2p, peer, *, namespace=None) -> _NotingStub:
-        return _NotingStub(self._servicer_type.get_stub(p2p, peer, namespace=namespace), self)
+        return _NotingStub(self._servicer_type.get_stub(p2p, peer, namespace=namespace), self, peer)
+
+    def held_us(self, *, cancelled: bool, honest_wait_s: float) -> PeerID | None:
+        """The leader that accepted us and then sent no group, if one did: it held the stream open, or ended it
+        without a word. hivemind's leader sends the group or disbands it by its expiration, which comes at
+        most ``honest_wait_s`` after it accepted us; ``cancelled``: our own search ended first (it held us
+        only if that was later than that)."""
+        if self.last != averaging_pb2.ACCEPTED:
+            return None
+        if cancelled and time.monotonic() - self.accepted_at <= honest_wait_s:
+            return None
+        return self.last_from
 
 
 class _NotingStub:
-    def __init__(self, stub, noted: _AnswersNoted):
-        self._stub, self._noted = stub, noted
+    def __init__(self, stub, noted: _AnswersNoted, peer: PeerID):
+        self._stub, self._noted, self._peer = stub, noted, peer
 
     async def rpc_join_group(self, request):
         stream = await self._stub.rpc_join_group(request)
         return self._answers(stream)
 
     async def _answers(self, stream):
+        noted = self._noted
+        noted.last, noted.last_from = None, self._peer
         try:
             async for message in stream:
-                if self._noted.code is None:
-                    self._noted.code = message.code
+                if noted.code is None:
+                    noted.code = message.code
+                noted.last = message.code
+                if message.code == averaging_pb2.ACCEPTED:
+                    noted.accepted_at = time.monotonic()
                 yield message
         finally:  # hivemind closes what it got: close the stream under it
             with contextlib.suppress(RuntimeError):
@@ -766,7 +789,8 @@ class LeftOut:
         return self._until[peer]
 
     def for_round(self, peer: str, round: int) -> None:
-        """Leave ``peer`` out of ``round`` only (a verifiable round's verdict: its work was not verified)."""
+        """Leave ``peer`` out of ``round`` only (a verifiable round's verdict: its work was not verified; a
+        leader that accepted us and sent no group)."""
         self._until[peer] = max(self._until.get(peer, -1), round)
 
     def excludes(self, peer: str, round: float) -> bool:
@@ -1153,8 +1177,19 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
             if self._left_out_now(leader):
                 return None
             accepted.forget()
-            answers.code = None
-            group = await ask(leader)
+            answers.forget()
+            group, cancelled = None, False
+            try:
+                group = await ask(leader)
+            except asyncio.CancelledError:
+                cancelled = True
+                raise
+            finally:
+                honest_wait_s = matchmaking.potential_leaders.min_matchmaking_time + self.request_timeout
+                if group is None and (
+                    holder := answers.held_us(cancelled=cancelled, honest_wait_s=honest_wait_s)
+                ):
+                    self._leave_the_holder_out(holder)
             if group is None and accepted.was_set and self.client_mode:
                 await self._say_no_group()
             if group is None and answers.code in _REFUSED_FOR_GOOD:
@@ -1163,6 +1198,19 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
 
         matchmaking._request_join_group = ask_unless_left_out
         matchmaking._guarded = True
+
+    def _leave_the_holder_out(self, leader: PeerID) -> None:
+        """A leader accepted us and then sent no group: it held the stream open, or ended it without a word
+        (a hostile leader; an honest one that crashed). Its groupmates cannot tell: asked again in the
+        round's retry, a leader that holds everyone it accepts voided every attempt of the round (it leads
+        about one round in N). Left out of the round's retry; a named search for it ends at once."""
+        log.warning(
+            "a leader accepted us and sent no group: leaving it out of the round's retry",
+            leader=leader.to_base58(),
+            round=self._round,
+        )
+        self._left_out.for_round(leader.to_base58(), self._round)
+        self._matchmaking.potential_leaders.refused(leader, "accepted us and sent no group")
 
     async def _say_no_group(self) -> None:
         """A leader accepted us and then sent us no group (it withheld it, or we gave up a moment before it

@@ -3,6 +3,8 @@ with averagers that fail at a chosen moment: what hivemind really does when a gr
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import threading
 import time
@@ -108,6 +110,26 @@ class LeaderThatWithholdsFromTheClient(LeaderThatLies):
     to_the_client = True
 
 
+class HoldsWhomItLeadsInRound5(ExactAverager):
+    """When the barrier names it to lead round 5, it accepts every join request of that round (the named
+    group's, and any search's that finds it) and then holds the stream open, sending nothing more: a hostile
+    leader (hivemind's leader sends the group or disbands it by its expiration). Honest otherwise."""
+
+    async def rpc_join_group(
+        self, request: averaging_pb2.JoinRequest, context: P2PContext
+    ) -> typing.AsyncIterator[averaging_pb2.MessageFromLeader]:
+        named = (
+            self._roster is not None
+            and barrier_leader(sorted(self._roster[1]), 5) == self.peer_id.to_base58()
+        )
+        if self._round != 5 or not named:
+            async for message in super().rpc_join_group(request, context):
+                yield message
+            return
+        yield averaging_pb2.MessageFromLeader(code=averaging_pb2.ACCEPTED)
+        await asyncio.sleep(3600)
+
+
 class JoinsMalformedInRound5(ExactAverager):
     """Joins every group of round 5 with join data that does not decode (invalid msgpack)."""
 
@@ -118,7 +140,7 @@ class JoinsMalformedInRound5(ExactAverager):
 
 
 DiesAfterServingOnePart.__name__ = DiesAfterTheFirstChunk.__name__ = ExactAverager.__name__
-JoinsMalformedInRound5.__name__ = ExactAverager.__name__
+JoinsMalformedInRound5.__name__ = HoldsWhomItLeadsInRound5.__name__ = ExactAverager.__name__
 LeaderThatLies.__name__ = LeaderThatReorders.__name__ = ExactAverager.__name__
 LeaderThatWithholdsFromTheClient.__name__ = ExactAverager.__name__
 
@@ -304,6 +326,50 @@ def test_a_follower_its_named_leader_refuses_for_good_gives_the_named_search_up_
     assert "attempt 1: NamedLeaderRefused" in str(failed) and "its group is full without us" in str(failed), (
         failed
     )
+
+
+def test_a_leader_that_accepts_and_then_holds_its_followers_is_left_out_of_the_rounds_retry(swarm_of):
+    """A leader that accepts its followers and then sends them nothing held each of them until its search
+    gave up; asked again in the round's retry (it searches on, and its declaration comes first), it held
+    them again, and the round was lost to every peer whenever it led. Now a follower leaves it out of the
+    round's retry, where the two honest peers average together; in the next round it is a groupmate again."""
+    averagers = swarm_of(
+        3, classes=[HoldsWhomItLeadsInRound5] * 3, compression="none", aggregator="mean", retries=1
+    )
+    ids = [a.peer_id for a in averagers]
+    holder = next(a for a in averagers if a.peer_id == barrier_leader(ids, 5))
+    honest = [a for a in averagers if a is not holder]
+    xs = inputs(3)
+    for a in averagers:
+        a.expect_group(ids, 5)
+    done = threading.Event()
+
+    def hold_on() -> None:  # it searches for a group of round 5 all along, as a leader found in the DHT
+        while not done.is_set():
+            with contextlib.suppress(AveragingFailed):
+                holder.average(xs[0], weight=1.0, round=5)
+
+    keeper = threading.Thread(target=hold_on, daemon=True)
+    keeper.start()
+    try:
+        results = run_parallel(
+            [lambda a=a, x=x: a.average(x, weight=1.0, round=5) for a, x in zip(honest, xs[1:])]
+        )
+    finally:
+        done.set()
+        keeper.join(60)
+    assert not keeper.is_alive()
+    for r in results:
+        assert not isinstance(r, Exception), (ids, holder.peer_id, results)
+        assert sorted(r.peers) == sorted(a.peer_id for a in honest)
+        for k in range(len(SHAPES)):
+            torch.testing.assert_close(r.tensors[k], (xs[1][k] + xs[2][k]) / 2)
+    for a in averagers:
+        a.expect_group(ids, 6)
+    again = run_parallel([lambda a=a, x=x: a.average(x, weight=1.0, round=6) for a, x in zip(averagers, xs)])
+    for r in again:
+        assert not isinstance(r, Exception), (ids, again)
+        assert sorted(r.peers) == sorted(ids)
 
 
 def test_peers_of_different_rounds_never_average(swarm_of):
