@@ -541,7 +541,7 @@ class Fault(str, Enum):
     round's retry, not longer: nothing it did is known to be wrong, and the leader may be the one at fault.
     Not even that in a round where a groupmate misbehaved: an honest peer that had already left that one out
     declines any group that holds it, which explains its absence (the retry then meets it without the
-    misbehaving one; before 2026-12-07 the two honest peers of the attack benchmark lost the round so)."""
+    misbehaving one; before 2026-12-06 the two honest peers of the attack benchmark lost the round so)."""
     MALFORMED_JOIN = "malformed_join"
     """Its join data, as the leader relayed it, is malformed: the attempt is void. Left out of the round's
     retry (or it would void that too), not longer: the leader may have made it."""

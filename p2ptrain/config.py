@@ -252,7 +252,7 @@ class AveragingConfig(_Section):
     barriers passed is in every honest peer's group or in none. Without it, one peer named it and another
     did not: they named different leaders and went into different groups, and the round lost a member's
     work (docs/architecture.md, One round). A published experiment or a checkpoint that leaves this
-    out means false (releases before 2026-12-07 neither publish nor wait for the group)."""
+    out means false (releases before 2026-12-06 neither publish nor wait for the group)."""
     error_feedback: bool = False
     """Keep what quantization dropped from this peer's pseudo-gradient and add it to the next round's
     (EF-SGD). Kept in checkpoints."""

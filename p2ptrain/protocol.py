@@ -218,7 +218,7 @@ class SwarmMemory:
         peer's last claim stays. A lone insider's claim of round 1, read as a run starts before any honest
         record had arrived, was credible in that reading, and was remembered after the honest records
         outvoted it: its reader waited ``swarm.catch_up_timeout_s`` for a round nobody held (138 s, 1 run of
-        3 of the attack benchmark, 2026-12-07)."""
+        3 of the attack benchmark, 2026-12-06)."""
         believed = records if my_round is None else credible(records, my_round)
         with self._lock:
             for pid in distrusted:

@@ -236,7 +236,7 @@ def test_matchmaking_expects_the_barriers_group_and_one_peer_of_it_evaluates_eac
 def test_a_peer_that_turns_ready_as_the_barriers_pass_is_in_every_group_or_in_none(tmp_path, settled):
     """c turns ready in round 1 just after b passed its barrier (b did not wait for it: it read c as paused,
     as a peer it timed out on before) and before a passed its own (a waited for it). With settled groups b
-    hears from a that c is in, and every peer names the same group; without (a release before 2026-12-07),
+    hears from a that c is in, and every peer names the same group; without (a release before 2026-12-06),
     b names another, and in a real swarm another leader: a split round."""
     injector = Injector()
     swarm = MemorySwarm(injector)
