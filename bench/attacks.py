@@ -33,7 +33,16 @@ from p2ptrain.localswarm import PeerProcess, closed_swarm_join
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 CONFIG = ROOT / "configs" / "tiny.yaml"
-NUMBERS = {"weight": 1, "nan": 2, "fake_round": 3, "download": 4, "no_peer": 5, "shadow": 6, "stall": 7}
+NUMBERS = {
+    "weight": 1,
+    "nan": 2,
+    "fake_round": 3,
+    "download": 4,
+    "no_peer": 5,
+    "shadow": 6,
+    "stall": 7,
+    "hold": 9,
+}
 WHAT = {
     "none": "no attacker",
     "none_again": "no attacker, again (run-to-run spread)",
@@ -44,10 +53,11 @@ WHAT = {
     "no_peer": "an all-gather entry without the `peer` field",
     "shadow": "records in the honest peers' names, and its own, then leaves",
     "stall": "joins the all-reduce and never sends",
+    "hold": "accepts the members of the groups it leads and sends them nothing",
 }
 
 
-AVERAGES = ("weight", "nan", "no_peer", "stall")
+AVERAGES = ("weight", "nan", "no_peer", "stall", "hold")
 """The attacks made inside a round's all-reduce: one that neither the hostile peer nor its victims saw in an
 all-reduce did not take place (its rows would read as harmless)."""
 

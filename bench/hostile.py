@@ -12,6 +12,8 @@ Attacks (the hostile-peer issue's numbering):
   no_peer     joins every round's all-reduce with an all-gather entry that lacks the `peer` field
   shadow      publishes records in the honest peers' names, and a record of its own, then leaves
   stall       joins every round's all-reduce and never sends
+  hold        accepts every join request as a leader and then sends nothing (neither the group nor a
+              disband), searching for a group all round long
 """
 
 from __future__ import annotations
@@ -22,19 +24,22 @@ import json
 import sys
 import threading
 import time
+import typing
 from pathlib import Path
 
 import torch
+from hivemind.p2p import P2PContext
+from hivemind.proto import averaging_pb2
 
 from p2ptrain.averaging import ExactAllReduceRunner, ExactAverager, SwarmAverager, round_group_bits
 from p2ptrain.compression import layout_for
 from p2ptrain.config import load_config, parse_set
-from p2ptrain.diloco import DiLoCo, Snapshot
+from p2ptrain.diloco import AveragingFailed, DiLoCo, Snapshot
 from p2ptrain.models import build_model
 from p2ptrain.records import PeerState, ProgressRecord
 from p2ptrain.transfer import donation
 
-ATTACKS = ("weight", "nan", "fake_round", "download", "no_peer", "shadow", "stall")
+ATTACKS = ("weight", "nan", "fake_round", "download", "no_peer", "shadow", "stall", "hold")
 
 
 class NeverSends(ExactAllReduceRunner):
@@ -53,8 +58,20 @@ class Staller(ExactAverager):
         return NeverSends(**kwargs)
 
 
+class Holder(ExactAverager):
+    """As a leader (the barrier named it, or a search found it), accepts every join request and then holds
+    the stream open, sending nothing more: hivemind's leader sends the group or disbands it by its
+    expiration."""
+
+    async def rpc_join_group(
+        self, request: averaging_pb2.JoinRequest, context: P2PContext
+    ) -> typing.AsyncIterator[averaging_pb2.MessageFromLeader]:  # hivemind registers handlers by these
+        yield averaging_pb2.MessageFromLeader(code=averaging_pb2.ACCEPTED)
+        await asyncio.sleep(3600)
+
+
 # hivemind names RPC handlers "<class name>.<method>": a stand-in keeps the name of the class it replaces.
-Staller.__name__ = ExactAverager.__name__
+Staller.__name__ = Holder.__name__ = ExactAverager.__name__
 
 
 def say(**event) -> None:
@@ -91,7 +108,6 @@ def main(argv: list[str] | None = None) -> None:
 def outsider(cfg) -> None:
     """No key: the DHT refuses it; a direct download from a member's averager is refused too."""
     from hivemind.p2p import P2P, P2PHandlerError, PeerID
-    from hivemind.proto import averaging_pb2
 
     from p2ptrain.addrs import SwarmError
     from p2ptrain.swarm import create_dht
@@ -146,7 +162,7 @@ def insider(attack: str, cfg, deadline: float) -> None:
         client_mode=False,
         state_provider=serve_garbage,
         stop=threading.Event(),
-        averager_cls=Staller if attack == "stall" else ExactAverager,
+        averager_cls={"stall": Staller, "hold": Holder}.get(attack, ExactAverager),
     )
     # A record at once, paused (nobody waits for it): the honest peers (swarm.min_peers counts it) start the
     # run with it there and push it their records, so that it sees every round as it comes. Without it, it
@@ -196,6 +212,13 @@ def insider(attack: str, cfg, deadline: float) -> None:
                     averager.average([torch.full(s, float("nan")) for s in shapes], weight=1.0, round=r)
                 elif attack == "stall":
                     averager.average(noise, weight=1.0, round=r)
+                elif attack == "hold":
+                    # It searches all round long, so that a retry of the round finds it declared in the DHT.
+                    while honest_round(board.records(), board.peer_id) == r and time.monotonic() < deadline:
+                        try:
+                            averager.average(noise, weight=1.0, round=r)
+                        except AveragingFailed as e:
+                            say(attack=attack, round=r, outcome=type(e).__name__, error=str(e)[-200:])
                 elif attack == "no_peer":
                     with averager._averager.get_tensors() as buffers:
                         averager.layout.pack(noise, out=buffers)
