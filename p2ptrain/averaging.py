@@ -683,7 +683,9 @@ class NamedLeaderRefused(MatchmakingException):
 
 
 _REFUSED_FOR_GOOD = {
-    averaging_pb2.GROUP_IS_FULL: "its group is full without us (we are not on its roster)",
+    averaging_pb2.GROUP_IS_FULL: (
+        "its group is full without us (we are not on its roster, or came after it formed the group)"
+    ),
     averaging_pb2.NOT_A_LEADER: "it follows another leader (its group is not ours)",
 }
 """A named leader's answers that no later ask changes in this attempt. It answers NOT_LOOKING_FOR_GROUP while it
@@ -932,6 +934,8 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
         self._refused = Throttle()
         self._roster: tuple[int, frozenset[str]] | None = None
         """The round ``expect_group`` named last, and its group: whom we seat in a group we lead then."""
+        self._grouped_round: int | None = None
+        """The round of the last group we formed or joined (``_register_allreduce_group``)."""
         super().__init__(*args, **kwargs)
 
     async def _admit(self, remote: PeerID, rpc: str) -> None:
@@ -1007,6 +1011,14 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
             log.debug("no seat for a peer off the round's roster", peer=str(context.remote_id))
             yield averaging_pb2.MessageFromLeader(code=averaging_pb2.GROUP_IS_FULL)
             return
+        if roster is not None and roster[0] == self._round == self._grouped_round and not self._searching():
+            # A member of the roster that asks once the round's group was formed without it (it came after the
+            # leader's matchmaking_time_s): hivemind answers that we are not looking for a group, which the
+            # follower of a named group takes for "not yet", asking again until its matchmaking gives up (10
+            # to 15 s), long after the others' retries. Full, it gives the named search up at once.
+            log.debug("no seat left in the round's group", peer=str(context.remote_id))
+            yield averaging_pb2.MessageFromLeader(code=averaging_pb2.GROUP_IS_FULL)
+            return
         async for message in super().rpc_join_group(request, context):
             yield message
 
@@ -1053,6 +1065,10 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
         # The caller closes the stream once it has every answer, which ends this handler (cancelled); a caller
         # of a release before 2026-12-04 waits for us to close instead, so we do after a while.
         await asyncio.sleep(self.request_timeout)
+
+    def _searching(self) -> bool:
+        """Whether our matchmaking is looking for a group now (a retry of the round, say)."""
+        return self._matchmaking.is_looking_for_group
 
     def _group_wait_s(self) -> float:
         """Half a sender's timeout: a part that waits for our group gets its answer (BAD_GROUP_ID) well before
@@ -1320,6 +1336,7 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
         its members are groupmates (admitted by ``_admit``) from this moment, before our all-reduce starts."""
         group_info = self._as_agreed(group_info)
         group_id = group_info.group_id
+        self._grouped_round = self._round
         self._groupmates[group_id] = set(group_info.peer_ids)
         self._held_ids.append(group_id)
         try:

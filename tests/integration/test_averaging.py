@@ -328,6 +328,31 @@ def test_a_follower_its_named_leader_refuses_for_good_gives_the_named_search_up_
     )
 
 
+def test_a_member_that_asks_after_the_named_group_was_formed_without_it_gives_the_named_search_up_at_once(
+    swarm_of,
+):
+    """A member of a named group that asks its leader only once the group was formed without it (it came
+    after the leader's matchmaking time: a machine under load) was answered that the leader is not looking
+    for a group, took it for "not yet", and asked again until its matchmaking gave up, long after the others'
+    retries. Now the leader answers that its group is full: the late member's retry begins at once."""
+    averagers = swarm_of(3, compression="none", aggregator="mean")
+    ids = [a.peer_id for a in averagers]
+    leader = barrier_leader(ids, 5)
+    late = next(a for a in averagers if a.peer_id != leader)
+    on_time = [a for a in averagers if a is not late]
+    xs = inputs(3)
+    for a in averagers:
+        a.expect_group(ids, 5)
+    results = run_parallel([lambda a=a, x=x: a.average(x, weight=1.0, round=5) for a, x in zip(on_time, xs)])
+    for r in results:
+        assert not isinstance(r, Exception), (ids, results)
+        assert sorted(r.peers) == sorted(a.peer_id for a in on_time)
+    with pytest.raises(AveragingFailed) as failed:
+        late.average(xs[2], weight=1.0, round=5)
+    assert "attempt 1: NamedLeaderRefused" in str(failed.value), failed.value
+    assert "its group is full without us" in str(failed.value), failed.value
+
+
 def test_a_leader_that_accepts_and_then_holds_its_followers_is_left_out_of_the_rounds_retry(swarm_of):
     """A leader that accepts its followers and then sends them nothing held each of them until its search
     gave up; asked again in the round's retry (it searches on, and its declaration comes first), it held
