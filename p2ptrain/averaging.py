@@ -134,19 +134,6 @@ def notice_round(group_id: bytes) -> int | None:
     return int.from_bytes(group_id[len(_NO_GROUP) :], "big", signed=True)
 
 
-class _Remembers(asyncio.Event):
-    """An event that remembers it was set since :meth:`forget` (hivemind clears its own on the way out)."""
-
-    was_set = False
-
-    def set(self) -> None:
-        self.was_set = True
-        super().set()
-
-    def forget(self) -> None:
-        self.was_set = False
-
-
 def round_group_bits(round: int) -> str:
     """Matchmaking group bits for a round: its binary digits (hivemind keys are prefix.0b<bits>)."""
     return format(round, "b")
@@ -705,10 +692,16 @@ class _AnswersNoted:
         self.code: int | None = None
         self.last: int | None = None
         self.last_from: PeerID | None = None
-        self.accepted_at = 0.0  # time.monotonic() of the last ACCEPTED
+        self.accepted_at: float | None = None  # time.monotonic() of the last ACCEPTED
 
     def get_stub(self, p2p, peer, *, namespace=None) -> _NotingStub:
         return _NotingStub(self._servicer_type.get_stub(p2p, peer, namespace=namespace), self, peer)
+
+    @property
+    def accepted(self) -> bool:
+        """Whether a leader accepted us since :meth:`forget` (hivemind's ``was_accepted_to_group`` is cleared
+        as that leader's stream ends)."""
+        return self.accepted_at is not None
 
     def held_us(self, *, cancelled: bool, honest_wait_s: float) -> PeerID | None:
         """The leader that accepted us and then sent no group, if one did: it held the stream open, or ended it
@@ -717,7 +710,7 @@ class _AnswersNoted:
         only if that was later than that)."""
         if self.last != averaging_pb2.ACCEPTED:
             return None
-        if cancelled and time.monotonic() - self.accepted_at <= honest_wait_s:
+        if cancelled and time.monotonic() - (self.accepted_at or 0.0) <= honest_wait_s:
             return None
         return self.last_from
 
@@ -767,9 +760,8 @@ class LeftOut:
         self._stalls: dict[str, int] = {}
         self._last_stall: dict[str, int] = {}
         self._absent: dict[str, int] = {}  # the round each peer was last absent in (Fault.ABSENT)
-        self._misbehaved_in = (
-            -1
-        )  # the last round a groupmate misbehaved in: it explains that round's absences
+        # The last round a groupmate misbehaved in: it explains that round's absences.
+        self._misbehaved_in = -1
 
     def fault(self, peer: str, fault: Fault, round: int) -> float:
         """Record a fault of ``peer`` in ``round``; returns the last round it is left out of (inf: all)."""
@@ -1011,7 +1003,8 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
             log.debug("no seat for a peer off the round's roster", peer=str(context.remote_id))
             yield averaging_pb2.MessageFromLeader(code=averaging_pb2.GROUP_IS_FULL)
             return
-        if roster is not None and roster[0] == self._round == self._grouped_round and not self._searching():
+        searching = self._matchmaking.is_looking_for_group  # a retry of the round, say
+        if roster is not None and roster[0] == self._round == self._grouped_round and not searching:
             # A member of the roster that asks once the round's group was formed without it (it came after the
             # leader's matchmaking_time_s): hivemind answers that we are not looking for a group, which the
             # follower of a named group takes for "not yet", asking again until its matchmaking gives up (10
@@ -1065,10 +1058,6 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
         # The caller closes the stream once it has every answer, which ends this handler (cancelled); a caller
         # of a release before 2026-12-04 waits for us to close instead, so we do after a while.
         await asyncio.sleep(self.request_timeout)
-
-    def _searching(self) -> bool:
-        """Whether our matchmaking is looking for a group now (a retry of the round, say)."""
-        return self._matchmaking.is_looking_for_group
 
     def _group_wait_s(self) -> float:
         """Half a sender's timeout: a part that waits for our group gets its answer (BAD_GROUP_ID) well before
@@ -1184,15 +1173,12 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
             old.peer_id, old.min_matchmaking_time, old.target_group_size
         )
         ask = matchmaking._request_join_group
-        # hivemind sets it when a leader accepts our request, and clears it when that leader's stream ends.
-        accepted = matchmaking.was_accepted_to_group = _Remembers()
         answers = matchmaking._servicer_type = _AnswersNoted(matchmaking._servicer_type)
         leaders = matchmaking.potential_leaders
 
         async def ask_unless_left_out(leader: PeerID):
             if self._left_out_now(leader):
                 return None
-            accepted.forget()
             answers.forget()
             group, cancelled = None, False
             try:
@@ -1201,12 +1187,12 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
                 cancelled = True
                 raise
             finally:
-                honest_wait_s = matchmaking.potential_leaders.min_matchmaking_time + self.request_timeout
+                honest_wait_s = leaders.min_matchmaking_time + self.request_timeout
                 if group is None and (
                     holder := answers.held_us(cancelled=cancelled, honest_wait_s=honest_wait_s)
                 ):
                     self._leave_the_holder_out(holder)
-            if group is None and accepted.was_set and self.client_mode:
+            if group is None and answers.accepted and self.client_mode:
                 await self._say_no_group()
             if group is None and answers.code in _REFUSED_FOR_GOOD:
                 leaders.refused(leader, _REFUSED_FOR_GOOD[answers.code])
