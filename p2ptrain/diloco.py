@@ -261,13 +261,15 @@ class DiLoCo:
         weight: float,
         round: int,
         fallback: Callable[[], bool] = lambda: True,
+        again: Callable[[], bool] = lambda: False,
     ) -> OuterStepReport:
         """End a round: average the pseudo-gradient (if there is anyone to average with) and step.
 
         Failure semantics: a pseudo-gradient with NaN or Inf is never sent; the peer keeps its global
         params and skips the step. An average that is malformed or not finite is refused like a failed one
-        (reason ``rejected``). If the averager fails (no group, timeout, a peer left mid-way), the
-        peer applies its own pseudo-gradient if ``fallback()`` says so (the trainer says no when the swarm
+        (reason ``rejected``). If the averager fails (no group, timeout, a peer left mid-way), the peer
+        averages again while ``again()`` says so (the trainer: a groupmate is still averaging this round);
+        then it applies its own pseudo-gradient if ``fallback()`` says so (the trainer says no when the swarm
         has moved past this round: it will load the swarm's state instead), and says so in the report.
         """
         delta = self.pseudo_gradient()
@@ -279,10 +281,17 @@ class DiLoCo:
             self.outer_step(delta)
             return OuterStepReport(round, group_size=1, delta_norm=norm, applied=True, failure=None)
         ef = self.error_feedback
+        # With error feedback we send Q(delta + residual): already on the wire's grid, so what the codec drops
+        # is exactly the residual we keep.
+        sent = ef.prepare(delta) if ef else delta
         try:
-            # With error feedback we send Q(delta + residual): already on the wire's grid, so what the
-            # codec drops is exactly the residual we keep.
-            result = averager.average(ef.prepare(delta) if ef else delta, weight=weight, round=round)
+            while True:
+                try:
+                    result = averager.average(sent, weight=weight, round=round)
+                    break
+                except AveragingFailed as e:
+                    if e.reason == "stopped" or not again():
+                        raise
             problem = self.check_average(result.tensors)
             if problem is not None:  # what groupmates sent is never trusted: refuse it, as a failed average
                 raise AveragingFailed("rejected", problem)

@@ -27,7 +27,8 @@ The rules, in the order a round meets them (docs/architecture.md has them in one
   differ from the canonical ones (:func:`p2ptrain.records.canonical_hash`), we take them and keep our
   inner progress on top (a rebase).
 * **Fallback** (:func:`may_step_alone`). An all-reduce that fails leaves a peer with its own
-  pseudo-gradient; it may apply it alone only if nobody is past its round yet.
+  pseudo-gradient; it tries again while a groupmate is still averaging in its round
+  (:func:`still_averaging`), and then may apply it alone only if nobody is past its round yet.
 * **Finish** (:func:`linger`, :func:`final_verdict`). A peer that finished the last round serves its
   final state while any live peer is behind, loading or holds other final params (up to
   ``swarm.linger_s``); it adopts the canonical final params if its own differ. It ends with the
@@ -573,6 +574,29 @@ def may_step_alone(me: Me, others: Records, *, swarm_finished: bool = False) -> 
     exists, and we load it.
     """
     return not _past(me, others) and not swarm_finished
+
+
+def still_averaging(me: Me, others: Records, group: Iterable[str]) -> list[str]:
+    """After every attempt at our round's all-reduce failed: the groupmates (``group``, as our barrier
+    settled it) that may still average with us, so that one more attempt could meet them. Empty once a peer
+    is past our round (its state exists: we load it, :func:`may_step_alone`).
+
+    A groupmate can still be in an attempt of its own when ours have run out: one stuck with a staller
+    (a whole ``averaging.next_chunk_timeout_s`` or two) while we were refused at once, or told apart from
+    it by a hostile leader. Had we stepped alone, its work would be lost when it came out (it loads our
+    state); both search again instead. A groupmate counts if its record still says it is averaging in our
+    round, and one of us takes calls (two clients cannot average with each other).
+    """
+    if _past(me, others):
+        return []
+    return sorted(
+        pid
+        for pid in set(group) - {me.peer_id}
+        if (r := others.get(pid)) is not None
+        and r.round == me.round
+        and r.state == PeerState.AVERAGING
+        and (me.serves or r.serves)
+    )
 
 
 def _past(me: Me, others: Records) -> bool:

@@ -1292,7 +1292,11 @@ class Trainer:
         """Wait while the peers that count finish ``round_`` without us (the loop then loads their state), or
         until they cannot still be averaging."""
         a = self.cfg.averaging
-        deadline = time.monotonic() + (1 + a.retries) * (a.matchmaking_timeout_s + a.allreduce_timeout_s)
+        deadline = (
+            time.monotonic()
+            + (1 + a.retries) * (a.matchmaking_timeout_s + a.allreduce_timeout_s)
+            + self._again_for_s()
+        )
         with self._waiting() as waiting:
             while time.monotonic() < deadline and not self.stop.is_set():
                 records = self._others()
@@ -1326,6 +1330,9 @@ class Trainer:
                 weight=stats.weight if stats.weight is not None else self._weight_of(stats.samples),
                 round=round_,
                 fallback=self._may_step_alone,
+                again=functools.partial(
+                    self._average_again, round_, [r.peer_id for r in group], t0 + self._again_for_s()
+                ),
             )
         stats.sync_s = time.monotonic() - t0
         if (
@@ -1373,6 +1380,27 @@ class Trainer:
         reducers allow): steps past H (``inner.max_steps_while_waiting``) add progress, not weight."""
         cfg = self.cfg.inner
         return max(min(samples, cfg.num_inner_steps * cfg.batch_size), 1)
+
+    def _again_for_s(self) -> float:
+        """How long after its start a round's sync may try again for a groupmate still in an attempt of its
+        own: a groupmate's first attempt with a staller (its search, then a sender's and a reducer's timeout),
+        then its retries, which ours must overlap."""
+        a = self.cfg.averaging
+        return (1 + a.retries) * a.matchmaking_timeout_s + 2 * a.next_chunk_timeout_s
+
+    def _average_again(self, round_: int, group: Sequence[str], deadline: float) -> bool:
+        """After our attempts at ``round_``'s all-reduce failed: whether to search again, for groupmates still
+        averaging it (:func:`protocol.still_averaging`), until ``deadline``."""
+        if self.stop.is_set() or time.monotonic() > deadline:
+            return False
+        waiting = protocol.still_averaging(self.me(), self._visible(), group)
+        if waiting:
+            self.log.info(
+                "averaging failed while groupmates are still averaging the round: searching again",
+                round=round_,
+                peers=[p[-8:] for p in waiting],
+            )
+        return bool(waiting)
 
     def _may_step_alone(self) -> bool:
         if protocol.may_step_alone(self.me(), self._visible(), swarm_finished=self.memory.swarm_finished):

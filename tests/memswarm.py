@@ -81,6 +81,9 @@ class Point(str, Enum):
     ALLREDUCE = "allreduce"
     """In the all-reduce, after it served its averaged part to one groupmate only: that one steps, the
     others' all-reduce fails."""
+    ATTEMPT = "attempt"
+    """At the start of an attempt at its round's all-reduce, past the barrier (its record says averaging):
+    with ``delay_s``, a peer held up in an attempt, as one that a staller keeps waiting."""
     DONATE = "donate"
     """Serving a newcomer: it sends a truncated state (as hivemind does when a donor dies mid-stream),
     then dies."""
@@ -341,6 +344,7 @@ class MemoryAverager:
         errors = []
         for attempt in range(1 + cfg.retries):
             peer.check_alive()
+            peer.hit(Point.ATTEMPT, round)
             try:
                 tamper = peer.swarm.injector.tamper.get(peer.name, lambda t: t)
                 tampered = [tamper(t) for t in tensors]
@@ -352,6 +356,9 @@ class MemoryAverager:
                 if e.reason == "stopped":
                     raise
                 errors.append(f"attempt {attempt + 1}: {e}")
+                with peer.swarm._lock:
+                    key = (peer.name, round)
+                    peer.swarm.failed_attempts[key] = peer.swarm.failed_attempts.get(key, 0) + 1
         reason = "no_group" if all("no_group" in e for e in errors) else "allreduce"
         raise AveragingFailed(reason, "; ".join(errors))
 
@@ -432,6 +439,8 @@ class MemorySwarm:
         """(peer, round) -> the members in client mode that peer named to its averager (``expect_group``)."""
         self.named_groups: dict[tuple[str, int], list[str]] = {}
         """(peer, round) -> the group that peer named to its averager (``expect_group``)."""
+        self.failed_attempts: dict[tuple[str, int], int] = {}
+        """(peer name, round) -> how many of that peer's attempts at the round's all-reduce failed."""
         self.averaged: list[tuple[int, list[str]]] = []
         """(round, the members whose parts made the average) of every all-reduce that produced one."""
         self.sealed: dict[tuple[str, int], dict[str, Sealed]] = {}

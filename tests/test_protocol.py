@@ -1,6 +1,7 @@
 """The round protocol's decisions, from tables of records: no network, no model, no clock."""
 
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -443,6 +444,23 @@ def test_step_alone_only_while_nobody_is_past_our_round():
     assert not protocol.may_step_alone(me(), table(rec("a", 4)))
     assert not protocol.may_step_alone(me(), table(rec("a", 4, state="done")))
     assert protocol.may_step_alone(me(), table(rec("a", 4, state="loading")))
+
+
+def test_after_failed_attempts_search_again_only_for_groupmates_still_averaging_our_round():
+    group = ["a", "b", "c", "d", "me"]
+    others = table(
+        rec("a", 3, state="averaging"),  # held up in an attempt of its own
+        rec("b", 3, state="training"),  # not averaging (yet): not in an attempt
+        rec("c", 2, state="averaging"),  # another round's
+        rec("x", 3, state="averaging"),  # not in our group
+    )  # d: no record (gone)
+    assert protocol.still_averaging(me(), others, group) == ["a"]
+    # Someone is past our round: its state exists, and we load it rather than search.
+    assert protocol.still_averaging(me(), table(rec("a", 3, state="averaging"), rec("e", 4)), group) == []
+    # Two clients cannot average with each other.
+    client = rec("a", 3, state="averaging", serves=False)
+    assert protocol.still_averaging(me(), table(client), group) == ["a"]
+    assert protocol.still_averaging(replace(me(), serves=False), table(client), group) == []
 
 
 # --- the end

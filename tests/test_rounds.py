@@ -472,6 +472,37 @@ def test_a_failed_group_falls_back_alone_then_everyone_rebases_onto_one_params(t
 
 
 @pytest.mark.parametrize("overlap", [False, True])
+def test_a_peer_whose_attempts_failed_searches_again_while_a_groupmate_is_held_up_in_its_own(
+    tmp_path, overlap
+):
+    """b is held up in its first attempt at round 1's all-reduce (as a staller it was grouped with holds it:
+    a whole sender's timeout or two) until every attempt of a's has failed (as when a hostile leader seated
+    b and refused a). a searches again while b's record says it is averaging round 1, and they average the
+    round together. Before 2026-12-07 a stepped alone, and b, out at last, found a past round 1 and loaded
+    its state: b's work of the round was lost (the attack benchmark's staller: 4 honest rounds in 1 run of
+    4)."""
+    injector = Injector()
+    swarm = MemorySwarm(injector)
+    attempts = 2  # averaging.retries: 1
+
+    def a_gave_up() -> bool:
+        return swarm.failed_attempts.get(("a", 1), 0) >= attempts
+
+    injector.stall_at("b", Point.ATTEMPT, round=1, seconds=30.0, until=a_gave_up)
+    # a searches again for up to 2 x 0.75 + 2 x next_chunk_timeout_s after its sync began: ample here.
+    averaging = {"next_chunk_timeout_s": 2.0, "allreduce_timeout_s": 5.0}
+    linger = {"linger_s": 12.0}  # at least (1 + retries) x (matchmaking_timeout_s + allreduce_timeout_s)
+    peers = start(swarm, tmp_path, ["a", "b"], averaging=averaging, outer={"overlap": overlap}, swarm=linger)
+    finish(peers)
+    assert ("b", Point.ATTEMPT, 1) in injector.fired and a_gave_up(), (injector.fired, swarm.failed_attempts)
+    assert_swarm_contract(tmp_path, peers, ["a", "b"])
+    ids = sorted(p.trainer.peer_id for p in peers.values())
+    assert (1, ids) in [(r, sorted(m)) for r, m in swarm.averaged], swarm.averaged
+    for p in peers.values():
+        assert p.trainer.rounds_applied == [0, 1, 2, 3], (p.name, p.trainer.rounds_applied)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
 def test_a_groupmate_that_dies_mid_allreduce_costs_one_contribution(tmp_path, overlap):
     injector = Injector()
     injector.fail_at("c", Point.ALLREDUCE, round=1)  # one survivor gets the average, the other does not
@@ -752,8 +783,9 @@ def test_params_that_nobody_can_serve_are_not_canonical_and_everyone_meets_on_se
     averaged in the larger group), but nobody can load them: the swarm meets on a's or b's instead, and c
     rebases onto them too."""
     injector = Injector()
-    injector.fail_allreduce(round=1, peer="a", attempts=2)
-    injector.fail_allreduce(round=1, peer="b", attempts=2)
+    # Every attempt: they search again while each sees the other still averaging (protocol.still_averaging).
+    injector.fail_allreduce(round=1, peer="a")
+    injector.fail_allreduce(round=1, peer="b")
     swarm = MemorySwarm(injector)
     three = {"swarm": {"min_peers": 3}, "averaging": {"target_group_size": 3}}
     peers = start(swarm, tmp_path, ["a", "b"], **three)
