@@ -151,8 +151,10 @@ def install(attack: str) -> None:
     elif attack == "send_other":
         honest_average = SwarmAverager.average
 
-        def average(self, tensors, *, weight, round):
-            return honest_average(self, [-10 * t for t in tensors], weight=weight, round=round)
+        def average(self, tensors, *, weight, round, attempts=None):
+            return honest_average(
+                self, [-10 * t for t in tensors], weight=weight, round=round, attempts=attempts
+            )
 
         SwarmAverager.average = average
 

@@ -35,7 +35,7 @@ class _Group:
         self.pending: list[tuple[list[torch.Tensor], float]] = []
         self.result: list[torch.Tensor] | None = None
 
-    def average(self, tensors, *, weight, round):
+    def average(self, tensors, *, weight, round, attempts=None):
         assert self.result is not None
         return AverageResult(tensors=[t.clone() for t in self.result], group_size=len(self.pending))
 

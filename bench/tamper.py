@@ -41,8 +41,10 @@ def main() -> None:
 
     honest_average = SwarmAverager.average
 
-    def average(self, tensors, *, weight, round):
-        return honest_average(self, [attack(t) for t in tensors], weight=weight, round=round)
+    def average(self, tensors, *, weight, round, attempts=None):
+        return honest_average(
+            self, [attack(t) for t in tensors], weight=weight, round=round, attempts=attempts
+        )
 
     SwarmAverager.average = average  # type: ignore[method-assign]
     sys.argv = ["p2ptrain", *sys.argv[2:]]

@@ -37,7 +37,7 @@ class _Average:
     def __init__(self, tensors: list[torch.Tensor]):
         self.tensors = tensors
 
-    def average(self, tensors, *, weight, round):
+    def average(self, tensors, *, weight, round, attempts=None):
         return AverageResult(tensors=[t.clone() for t in self.tensors], group_size=1)
 
 

@@ -1284,6 +1284,24 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
             raise
         future.set_result(None)
 
+    def left_out_of(self, peers: Sequence[str], round: int) -> list[str]:
+        """Those of ``peers`` we do not average with in ``round``: faults we saw (a stall, a held or voided
+        attempt, misbehaviour), bans, a verifiable round's verdict."""
+        future = MPFuture()
+        self._outer_pipe.send(("_left_out_of", [list(peers), round], dict(future=future)))
+        return future.result(timeout=_PIPE_TIMEOUT_S)
+
+    async def _left_out_of(self, peers: list[str], round: int, future: MPFuture) -> None:
+        verdict = self._weights.get(round)
+        me = self.peer_id.to_base58()
+        future.set_result(
+            sorted(
+                p
+                for p in peers
+                if self._left_out.excludes(p, round) or (verdict is not None and p != me and p not in verdict)
+            )
+        )
+
     def _left_out_now(self, peer: PeerID) -> bool:
         if self._left_out.excludes(peer.to_base58(), self._round):
             return True
@@ -1542,9 +1560,11 @@ class SwarmAverager:
                 shutdown_timeout=5,
             )
 
-    def average(self, tensors: Sequence[torch.Tensor], *, weight: float, round: int) -> AverageResult:
+    def average(
+        self, tensors: Sequence[torch.Tensor], *, weight: float, round: int, attempts: int | None = None
+    ) -> AverageResult:
         errors = []
-        for attempt in range(1 + self.cfg.retries):
+        for attempt in range(1 + self.cfg.retries if attempts is None else attempts):
             with self._averager.get_tensors() as buffers:
                 self.layout.pack(tensors, out=buffers)
             self._averager.set_group_bits(round_group_bits(round))
@@ -1634,6 +1654,9 @@ class SwarmAverager:
 
     def ban(self, peers: Sequence[str]) -> None:
         self._averager.leave_out(peers, math.inf)
+
+    def left_out_of(self, peers: Sequence[str], round: int) -> list[str]:
+        return self._averager.left_out_of(peers, round)
 
     def expect_group(self, peers: Sequence[str], round: int, clients: Sequence[str] = ()) -> None:
         """The all-reduce of ``round`` is with ``peers``, as the barrier knows them (us included): its first

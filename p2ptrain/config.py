@@ -291,9 +291,9 @@ class AveragingConfig(_Section):
     to finish theirs before it averages with whoever is ready."""
     retries: int = Field(default=1, ge=0)
     """Extra averaging attempts after a failed one, before the peer applies its own pseudo-gradient. More
-    follow while a groupmate's record says it is still averaging the round (held up in an attempt of its own),
-    up to (1 + retries) x averaging.matchmaking_timeout_s + 2 x averaging.next_chunk_timeout_s after the
-    round's sync began."""
+    follow, one at a time, while a groupmate's record says it is still averaging the round (held up in an
+    attempt of its own), if they can begin within 2 x averaging.matchmaking_timeout_s +
+    averaging.allreduce_timeout_s of the round's sync's start."""
 
     @model_validator(mode="after")
     def _check_timeouts(self) -> AveragingConfig:

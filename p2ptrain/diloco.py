@@ -57,8 +57,11 @@ class AverageResult:
 
 
 class Averager(Protocol):
-    def average(self, tensors: Sequence[torch.Tensor], *, weight: float, round: int) -> AverageResult:
-        """Average ``tensors`` with the peers of ``round``, weighted by ``weight``.
+    def average(
+        self, tensors: Sequence[torch.Tensor], *, weight: float, round: int, attempts: int | None = None
+    ) -> AverageResult:
+        """Average ``tensors`` with the peers of ``round``, weighted by ``weight``, in ``attempts`` attempts at
+        most (None: as configured).
 
         Raises:
             AveragingFailed: no group, a timeout, or a groupmate that left mid-way. The caller still
@@ -266,11 +269,12 @@ class DiLoCo:
         """End a round: average the pseudo-gradient (if there is anyone to average with) and step.
 
         Failure semantics: a pseudo-gradient with NaN or Inf is never sent; the peer keeps its global
-        params and skips the step. An average that is malformed or not finite is refused like a failed one
-        (reason ``rejected``). If the averager fails (no group, timeout, a peer left mid-way), the peer
-        averages again while ``again()`` says so (the trainer: a groupmate is still averaging this round);
-        then it applies its own pseudo-gradient if ``fallback()`` says so (the trainer says no when the swarm
-        has moved past this round: it will load the swarm's state instead), and says so in the report.
+        params and skips the step. An average that is malformed or not finite is refused (reason
+        ``rejected``), and not tried again. If the averager fails (no group, timeout, a peer left mid-way),
+        the peer tries once more each time ``again()`` says so (the trainer: a groupmate is still averaging
+        this round); then it applies its own pseudo-gradient if ``fallback()`` says so (the trainer says no
+        when the swarm has moved past this round: it will load the swarm's state instead), and says so in the
+        report.
         """
         delta = self.pseudo_gradient()
         norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(d) for d in delta])))
@@ -285,13 +289,15 @@ class DiLoCo:
         # is exactly the residual we keep.
         sent = ef.prepare(delta) if ef else delta
         try:
+            attempts = None  # as configured, then one at a time, each once again() says so
             while True:
                 try:
-                    result = averager.average(sent, weight=weight, round=round)
+                    result = averager.average(sent, weight=weight, round=round, attempts=attempts)
                     break
                 except AveragingFailed as e:
                     if e.reason == "stopped" or not again():
                         raise
+                attempts = 1
             problem = self.check_average(result.tensors)
             if problem is not None:  # what groupmates sent is never trusted: refuse it, as a failed average
                 raise AveragingFailed("rejected", problem)

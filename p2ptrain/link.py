@@ -66,7 +66,12 @@ class Board(Protocol):
 class PeerAverager(Protocol):
     """The all-reduce and state transfer (``averaging.SwarmAverager`` on hivemind)."""
 
-    def average(self, tensors: Sequence[torch.Tensor], *, weight: float, round: int) -> AverageResult: ...
+    def average(
+        self, tensors: Sequence[torch.Tensor], *, weight: float, round: int, attempts: int | None = None
+    ) -> AverageResult:
+        """Average ``tensors`` with the peers of ``round``, in ``attempts`` attempts at most (None:
+        ``1 + averaging.retries``)."""
+        ...
 
     def download_state(self, donors: Sequence[str], timeout: float) -> tuple[str, Any, list] | None:
         """(donor, metadata, tensors) from the first donor that serves its state, or None."""
@@ -90,6 +95,10 @@ class PeerAverager(Protocol):
 
     def ban(self, peers: Sequence[str]) -> None:
         """Never average with ``peers`` again, nor serve them our state."""
+
+    def left_out_of(self, peers: Sequence[str], round: int) -> list[str]:
+        """Those of ``peers`` we do not average with in ``round`` (faults seen, bans, a verdict)."""
+        ...
 
     def shutdown(self) -> None: ...
 

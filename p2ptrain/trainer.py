@@ -1382,25 +1382,30 @@ class Trainer:
         return max(min(samples, cfg.num_inner_steps * cfg.batch_size), 1)
 
     def _again_for_s(self) -> float:
-        """How long after its start a round's sync may try again for a groupmate still in an attempt of its
-        own: a groupmate's first attempt with a staller (its search, then a sender's and a reducer's timeout),
-        then its retries, which ours must overlap."""
+        """How long after its start a round's sync may begin one more attempt for a groupmate held up in an
+        attempt of its own: the longest a groupmate's first attempt takes (a search, then an all-reduce that a
+        staller holds up to its timeout, dripping a part now and then), then the search of its retry, which
+        ours must overlap."""
         a = self.cfg.averaging
-        return (1 + a.retries) * a.matchmaking_timeout_s + 2 * a.next_chunk_timeout_s
+        return 2 * a.matchmaking_timeout_s + a.allreduce_timeout_s
 
     def _average_again(self, round_: int, group: Sequence[str], deadline: float) -> bool:
-        """After our attempts at ``round_``'s all-reduce failed: whether to search again, for groupmates still
-        averaging it (:func:`protocol.still_averaging`), until ``deadline``."""
+        """After our attempts at ``round_``'s all-reduce failed: whether to make one more, for groupmates still
+        averaging it (:func:`protocol.still_averaging`) that our averager does not leave out of it, until
+        ``deadline``. Waits ``averaging.request_timeout_s`` before it: attempts that fail at once (an averager
+        that cannot work) must not turn into a busy loop."""
         if self.stop.is_set() or time.monotonic() > deadline:
             return False
-        waiting = protocol.still_averaging(self.me(), self._visible(), group)
-        if waiting:
-            self.log.info(
-                "averaging failed while groupmates are still averaging the round: searching again",
-                round=round_,
-                peers=[p[-8:] for p in waiting],
-            )
-        return bool(waiting)
+        counted = set(group) - set(self.averager.left_out_of(group, round_))
+        waiting = protocol.still_averaging(replace(self.me(), round=round_), self._visible(), counted)
+        if not waiting:
+            return False
+        self.log.info(
+            "averaging failed while groupmates are still averaging the round: trying again",
+            round=round_,
+            peers=[p[-8:] for p in waiting],
+        )
+        return not self.stop.wait(self.cfg.averaging.request_timeout_s)
 
     def _may_step_alone(self) -> bool:
         if protocol.may_step_alone(self.me(), self._visible(), swarm_finished=self.memory.swarm_finished):

@@ -335,14 +335,14 @@ class MemoryAverager:
         self._peer, self._layout = peer, layout
         self._expected: int | None = None
 
-    def average(self, tensors, *, weight: float, round: int) -> AverageResult:
+    def average(self, tensors, *, weight: float, round: int, attempts: int | None = None) -> AverageResult:
         peer = self._peer
         with peer.swarm._lock:
             peer.swarm.expected_groups.append((peer.peer_id, round, self._expected))
         self._expected = None
         cfg = peer.cfg.averaging
         errors = []
-        for attempt in range(1 + cfg.retries):
+        for attempt in range(1 + cfg.retries if attempts is None else attempts):
             peer.check_alive()
             peer.hit(Point.ATTEMPT, round)
             try:
@@ -388,6 +388,13 @@ class MemoryAverager:
     def ban(self, peers) -> None:
         with self._peer.swarm._lock:
             self._peer.swarm.banned_by.setdefault(self._peer.peer_id, set()).update(peers)
+
+    def left_out_of(self, peers, round: int) -> list[str]:
+        swarm, me = self._peer.swarm, self._peer.peer_id
+        with swarm._lock:
+            out = swarm.left_out.get((me, round), set()) | swarm.banned_by.get(me, set())
+            verdict = swarm.verdict_weights.get((me, round))
+        return sorted(p for p in peers if p in out or (verdict is not None and p != me and p not in verdict))
 
     def shutdown(self) -> None:
         pass

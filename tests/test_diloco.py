@@ -12,15 +12,24 @@ from p2ptrain.diloco import AverageResult, AveragingFailed, DiLoCo, tensors_hash
 class FakeAverager:
     """Averages our tensors with fixed contributions of imaginary groupmates, weighted by samples."""
 
-    def __init__(self, others: list[tuple[list[torch.Tensor], float]] | None = None, fail: str | None = None):
+    def __init__(
+        self,
+        others: list[tuple[list[torch.Tensor], float]] | None = None,
+        fail: str | None = None,
+        failures: int = 0,
+    ):
         self.others = others or []
         self.fail = fail
+        self.failures = failures  # calls that fail ("no_group") before one succeeds
         self.calls = []
 
-    def average(self, tensors, *, weight, round):
-        self.calls.append((round, weight))
+    def average(self, tensors, *, weight, round, attempts=None):
+        self.calls.append((round, weight, attempts))
         if self.fail:
             raise AveragingFailed(self.fail)
+        if self.failures:
+            self.failures -= 1
+            raise AveragingFailed("no_group")
         total = weight + sum(w for _, w in self.others)
         avg = [t * weight for t in tensors]
         for ts, w in self.others:
@@ -75,6 +84,24 @@ def test_failed_averaging_falls_back_to_own_delta():
     assert math.isclose(
         d.master[0].item(), 0.75
     )  # plain SGD lr 1 on its own delta: lands on the local params
+
+
+def test_a_failed_average_is_tried_again_one_attempt_at_a_time_while_again_says_so():
+    model = scalar_model(1.0)
+    d = DiLoCo(model, lr=1.0, momentum=0.0, nesterov=False)
+    with torch.no_grad():
+        model.w.fill_(0.75)
+    averager = FakeAverager(others=[([torch.tensor([0.0])], 1.0)], failures=2)
+    asked = []
+    report = d.sync(averager, weight=1.0, round=0, again=lambda: asked.append(1) or True)
+    assert report.failure is None and report.group_size == 2 and len(asked) == 2
+    # The configured attempts first, then one at a time.
+    assert [attempts for _, _, attempts in averager.calls] == [None, 1, 1]
+    assert math.isclose(d.master[0].item(), 1.0 - 0.25 / 2)  # the average of 0.25 and 0: not our own step
+    # again() says no: no further call, and the fallback steps alone.
+    averager = FakeAverager(failures=5)
+    report = d.sync(averager, weight=1.0, round=1, again=lambda: False)
+    assert report.failure == "no_group" and len(averager.calls) == 1
 
 
 def test_a_stop_during_averaging_applies_nothing():
@@ -171,7 +198,7 @@ def test_a_poisoned_average_is_refused_never_applied(poison):
         model.w.fill_(0.75)
 
     class Poisoner:
-        def average(self, tensors, *, weight, round):
+        def average(self, tensors, *, weight, round, attempts=None):
             return AverageResult(tensors=poison(tensors), group_size=2)
 
     report = d.sync(Poisoner(), weight=1.0, round=0)

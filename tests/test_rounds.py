@@ -190,13 +190,13 @@ def test_overlapped_rounds_train_the_next_round_while_the_last_is_averaged(tmp_p
     slowed_steps(monkeypatch, {"trainer-c": 0.01}, after=next_round_only_after_everyone)
     real_average = memswarm.MemoryAverager.average
 
-    def average(self, tensors, *, weight, round):
+    def average(self, tensors, *, weight, round, attempts=None):
         # The all-reduce lasts until its peer has trained a step of the next round (there is none after the
         # last round): a step that came before it does too, so this never waits for what cannot come.
         key, deadline = (self._peer.name, round + 1), time.monotonic() + 30
         while round + 1 < 4 and not trained.get(key) and time.monotonic() < deadline:
             time.sleep(0.005)
-        return real_average(self, tensors, weight=weight, round=round)
+        return real_average(self, tensors, weight=weight, round=round, attempts=attempts)
 
     monkeypatch.setattr(memswarm.MemoryAverager, "average", average)
     peers.update(start(swarm, tmp_path, ["a", "b", "c"], outer={"overlap": True, "overlap_carry": carry}))
@@ -489,8 +489,8 @@ def test_a_peer_whose_attempts_failed_searches_again_while_a_groupmate_is_held_u
         return swarm.failed_attempts.get(("a", 1), 0) >= attempts
 
     injector.stall_at("b", Point.ATTEMPT, round=1, seconds=30.0, until=a_gave_up)
-    # a searches again for up to 2 x 0.75 + 2 x next_chunk_timeout_s after its sync began: ample here.
-    averaging = {"next_chunk_timeout_s": 2.0, "allreduce_timeout_s": 5.0}
+    # a may try again within 2 x matchmaking_timeout_s (0.75) + allreduce_timeout_s of its sync's start: ample.
+    averaging = {"allreduce_timeout_s": 5.0}
     linger = {"linger_s": 12.0}  # at least (1 + retries) x (matchmaking_timeout_s + allreduce_timeout_s)
     peers = start(swarm, tmp_path, ["a", "b"], averaging=averaging, outer={"overlap": overlap}, swarm=linger)
     finish(peers)

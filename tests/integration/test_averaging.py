@@ -19,6 +19,7 @@ from bench.hostile import Staller
 from p2ptrain.averaging import (
     ExactAllReduceRunner,
     ExactAverager,
+    LeftOut,
     SwarmAverager,
     barrier_leader,
     round_group_bits,
@@ -543,6 +544,11 @@ def test_a_groupmate_that_stalls_costs_one_timeout_and_the_round_is_averaged_wit
         assert r.stalled == [staller.peer_id] and r.refused == []  # the trainer stops waiting for it a while
     assert torch.equal(a.tensors[0], b.tensors[0])
     torch.testing.assert_close(a.tensors[0], (xs[0][0] + xs[1][0]) / 2)
+    # What the trainer asks before it tries a failed round again: it does not try again for the staller.
+    everyone = [honest_a.peer_id, honest_b.peer_id, staller.peer_id]
+    for averager in (honest_a, honest_b):
+        assert averager.left_out_of(everyone, 5) == [staller.peer_id]
+        assert averager.left_out_of(everyone, 5 + LeftOut.STALL_ROUNDS) == []
 
 
 @pytest.mark.parametrize("aggregator", ["centered_clip", "mean"])
