@@ -997,7 +997,9 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
             return
         # The checks of the round's roster are for requests of our round: one for the next round, come before
         # we began it (our all-reduce of this one just ended), is hivemind's to answer, "not looking yet".
-        roster = self._roster if request.group_key == self._matchmaking.group_key_manager.current_key else None
+        roster = (
+            self._roster if request.group_key == self._matchmaking.group_key_manager.current_key else None
+        )
         if roster is not None and roster[0] == self._round and context.remote_id.to_base58() not in roster[1]:
             # The group is as large as the roster (target_group_size): a member of the run that is not on it
             # (a peer the barrier went without, or one after a seat) would take a rostered peer's seat.
