@@ -996,10 +996,11 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
             yield averaging_pb2.MessageFromLeader(code=averaging_pb2.NOT_LOOKING_FOR_GROUP)
             return
         # The checks of the round's roster are for requests of our round: one for the next round, come before
-        # we began it (our all-reduce of this one just ended), is hivemind's to answer, "not looking yet".
-        roster = (
-            self._roster if request.group_key == self._matchmaking.group_key_manager.current_key else None
-        )
+        # we began it (our all-reduce of this one just ended), is hivemind's to answer, "not looking yet". The
+        # round is read from the request's key, not compared with our current key: hivemind shifts our group
+        # bits once a group is assembled.
+        ours = f"{self._matchmaking.group_key_manager.prefix}.0b{round_group_bits(self._round)}"
+        roster = self._roster if request.group_key == ours else None
         if roster is not None and roster[0] == self._round and context.remote_id.to_base58() not in roster[1]:
             # The group is as large as the roster (target_group_size): a member of the run that is not on it
             # (a peer the barrier went without, or one after a seat) would take a rostered peer's seat.
