@@ -1297,22 +1297,17 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
         return future.result(timeout=_PIPE_TIMEOUT_S)
 
     async def _left_out_of(self, peers: list[str], round: int, future: MPFuture) -> None:
-        verdict = self._weights.get(round)
-        me = self.peer_id.to_base58()
-        future.set_result(
-            sorted(
-                p
-                for p in peers
-                if self._left_out.excludes(p, round) or (verdict is not None and p != me and p not in verdict)
-            )
-        )
+        future.set_result(sorted(p for p in peers if self._excludes(p, round)))
 
     def _left_out_now(self, peer: PeerID) -> bool:
-        if self._left_out.excludes(peer.to_base58(), self._round):
+        return self._excludes(peer.to_base58(), self._round)
+
+    def _excludes(self, peer: str, round: int) -> bool:
+        if self._left_out.excludes(peer, round):
             return True
         # A verifiable round's verdict names everyone who counts: a peer it did not judge does not count.
-        verdict = self._weights.get(self._round)
-        return verdict is not None and peer != self.peer_id and peer.to_base58() not in verdict
+        verdict = self._weights.get(round)
+        return verdict is not None and peer != self.peer_id.to_base58() and peer not in verdict
 
     def _on_fault(self, peer: PeerID, fault: Fault, reason: str) -> None:
         refused_at = self._refused_at.get(peer.to_base58(), -math.inf)
