@@ -21,8 +21,10 @@ import typer
 
 from p2ptrain.addrs import SwarmError, check_writable, is_loopback, write_maddrs_file
 from p2ptrain.config import (
+    OWN_FIELDS,
     TRAINING_SECTIONS,
     ConfigError,
+    ExperimentConfig,
     check_fields,
     deep_merge,
     load_config,
@@ -148,11 +150,16 @@ def read_config_file(path: Path) -> dict[str, Any]:
 
 
 def own_settings_only(path: Path) -> bool:
-    """Whether a config file sets only what is a peer's own (its swarm, device, checkpoint, log and metrics
-    sections, and at most run.run_id): a volunteer's file, which joins the swarm's experiment."""
+    """Whether a config file sets only what is a peer's own (its swarm, device, checkpoint, schedule, log and
+    metrics sections, the training sections' own fields such as timeouts and group sizes, and at most
+    run.run_id): a volunteer's file, which joins the swarm's experiment."""
     data = read_config_file(path)
-    shared = {section for section in data if section in TRAINING_SECTIONS}
-    return shared <= {"run"} and set(data.get("run") or {}) <= {"run_id"}
+    own = {**OWN_FIELDS, "run": ("run_id",)}
+    return all(
+        isinstance(fields or {}, dict) and set(fields or {}) <= set(own.get(section, ()))
+        for section, fields in data.items()
+        if section in TRAINING_SECTIONS
+    )
 
 
 def swarm_experiment(overrides: dict[str, Any]) -> Any:
@@ -219,6 +226,20 @@ def swarm_experiment(overrides: dict[str, Any]) -> Any:
         f"{cfg.inner.num_inner_steps} inner steps."
     )
     return cfg
+
+
+def join_line(maddr: str, cfg: ExperimentConfig, *, run_id: bool) -> str:
+    """The command a joiner runs, complete as printed: the experiment comes from the swarm; what only the
+    joiner has (the swarm's key, its copy of the data), it must give. ``run_id``: name the run (a bootstrap
+    node told which run it watches; a peer's swarm may train others)."""
+    line = f"p2ptrain join --initial-peers {maddr}"
+    if cfg.swarm.key_file:
+        line += f" --key-file {cfg.swarm.key_file}"
+    if run_id:
+        line += f" --run-id {cfg.run.run_id}"
+    if cfg.data.source in ("text", "prepared", "idx", "images") and cfg.data.path is not None:
+        line += f" --set data.path=<your copy of {cfg.data.path.name}>"
+    return line
 
 
 def install_stop_handlers(stop: threading.Event) -> None:
@@ -340,12 +361,8 @@ def join(
             typer.echo(f"Started a new swarm for run {cfg.run.run_id}. Others join it with:")
         else:
             typer.echo("Joined the swarm. Others can also join through this peer:")
-        # Complete as printed: the experiment comes from the swarm; what only the joiner has, it must give.
-        extra = f" --key-file {cfg.swarm.key_file}" if cfg.swarm.key_file else ""
-        if cfg.data.source in ("text", "prepared", "idx", "images") and cfg.data.path is not None:
-            extra += f" --set data.path=<your copy of {cfg.data.path.name}>"
         for maddr in maddrs:
-            typer.echo(f"  p2ptrain join --initial-peers {maddr}{extra}")
+            typer.echo(f"  {join_line(maddr, cfg, run_id=False)}")
         if new_swarm and cfg.swarm.min_peers <= 1:
             typer.echo(
                 f"This peer trains alone until others join ({cfg.outer.num_rounds} rounds); "
@@ -430,7 +447,7 @@ def dht(
         typer.echo("DHT node running. Peers join with:")
         maddrs = [str(m) for m in node.get_visible_maddrs()]
         for maddr in maddrs:
-            typer.echo(f"  p2ptrain join --initial-peers {maddr}")
+            typer.echo(f"  {join_line(maddr, cfg, run_id='run_id' in cfg.run.model_fields_set)}")
         sys.stdout.flush()
         if maddrs_file is not None:
             try:

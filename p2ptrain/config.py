@@ -1094,8 +1094,9 @@ def reference_markdown() -> str:
         "",
         "Precedence, highest first: command-line flags and `--set section.key=value`; environment variables",
         "`P2PTRAIN_<SECTION>__<KEY>` (for example `P2PTRAIN_INNER__LR=3e-4`); the YAML file; the defaults below.",
-        "Unknown keys are errors, and so is a `P2PTRAIN_` variable that names no section or joins section and key",
-        "with one underscore. A list set by a variable is JSON:",
+        "Unknown keys are errors, and so is a `P2PTRAIN_<SECTION>__<KEY>` variable of no section, or one that joins",
+        "a section and its key with one underscore (`P2PTRAIN_INNER_LR`); other `P2PTRAIN_` names are not read.",
+        "A list set by a variable is JSON:",
         "`P2PTRAIN_SWARM__INITIAL_PEERS='[\"/ip4/203.0.113.5/tcp/31337/p2p/12D3Koo...\"]'`.",
         "",
     ]

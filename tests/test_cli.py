@@ -130,6 +130,13 @@ def test_a_volunteers_file_of_its_own_sections_joins_the_swarms_experiment(tmp_p
 
     assert cli.own_settings_only(ROOT / "deploy" / "experiment.example.yaml")
     assert not cli.own_settings_only(ROOT / "configs" / "tiny.yaml")
+    # A training section's own fields (a slow link's timeouts) are the volunteer's too; a shared one is not.
+    timeouts = tmp_path / "timeouts.yaml"
+    timeouts.write_text("averaging: {barrier_timeout_s: 90}\nverification: {reveal_timeout_s: 60}\n")
+    assert cli.own_settings_only(timeouts)
+    for shared in ("averaging: {barrier_timeout_s: 90, compression: none}", "inner: {lr: 0.1}", "run: [x]"):
+        (tmp_path / "shared.yaml").write_text(shared + "\n")
+        assert not cli.own_settings_only(tmp_path / "shared.yaml"), shared
     asked = []
 
     def swarm_experiment(overrides):
@@ -145,6 +152,34 @@ def test_a_volunteers_file_of_its_own_sections_joins_the_swarms_experiment(tmp_p
     assert result.exit_code == 0, result.output
     assert asked[-1]["run"] == {"run_id": "their-run"} and asked[-1]["device"] == {"num_threads": 2}
     assert asked[-1]["swarm"]["initial_peers"] == ["/ip4/1.2.3.4/tcp/1/p2p/x"]
+    result = CliRunner().invoke(
+        cli.app, ["join", "--config", str(timeouts), "--initial-peers", "/ip4/1.2.3.4/tcp/1/p2p/x"]
+    )
+    assert result.exit_code == 0, result.output
+    assert asked[-1]["averaging"] == {"barrier_timeout_s": 90}
+
+
+def test_the_join_line_a_peer_or_a_bootstrap_node_prints_is_complete(tmp_path):
+    # Copied as printed, it joins: a closed swarm's key, the run a bootstrap node was told to watch, and the
+    # joiner's own copy of a text corpus are on it.
+    from p2ptrain import cli
+
+    maddr = "/ip4/203.0.113.5/tcp/31337/p2p/12D3KooWexample"
+    key, corpus = tmp_path / "swarm.key", tmp_path / "corpus.txt"
+    key.write_text("ab" * 32 + "\n")
+    corpus.write_text("some text of ours\n" * 400)
+    plain = cli.resolve(None, None, {})
+    assert cli.join_line(maddr, plain, run_id="run_id" in plain.run.model_fields_set) == (
+        f"p2ptrain join --initial-peers {maddr}"
+    )
+    closed = cli.resolve(None, None, {"run": {"run_id": "my-run"}, "swarm": {"key_file": key}})
+    assert cli.join_line(maddr, closed, run_id="run_id" in closed.run.model_fields_set) == (
+        f"p2ptrain join --initial-peers {maddr} --key-file {key} --run-id my-run"
+    )
+    text = cli.resolve(None, ["data.source=text", f"data.path={corpus}"], {})
+    assert cli.join_line(maddr, text, run_id=False) == (
+        f"p2ptrain join --initial-peers {maddr} --set data.path=<your copy of corpus.txt>"
+    )
 
 
 def test_data_prepare_writes_a_folder_a_config_trains_on_and_bad_sources_are_one_line(tmp_path):
