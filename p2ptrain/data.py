@@ -210,7 +210,8 @@ class Corpus:
     def val_batches(self, batch_size: int, max_batches: int):
         """Fixed, non-overlapping validation windows: the same on every peer and every call."""
         T = self.context_length
-        starts = torch.arange(0, len(self.val) - T - 1, T)[: batch_size * max_batches]
+        # A window is T + 1 tokens: it may start at len - (T + 1), the last start of a split of T + 1 tokens.
+        starts = torch.arange(0, len(self.val) - T, T)[: batch_size * max_batches]
         for i in range(0, len(starts), batch_size):
             rows = self.val.rows(starts[i : i + batch_size], T + 1)
             yield rows[:, :-1], rows[:, 1:]

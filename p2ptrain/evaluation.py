@@ -20,6 +20,14 @@ from p2ptrain.images import ImageSet
 from p2ptrain.models import build_model
 
 
+def perplexity(loss: float) -> float:
+    """exp(loss); inf where that is no float (a blown-up model's loss above about 709), not an error."""
+    try:
+        return math.exp(loss)
+    except OverflowError:
+        return math.inf
+
+
 @torch.no_grad()
 def evaluate(
     model: torch.nn.Module, corpus: Corpus | ImageSet, cfg: ExperimentConfig, device: torch.device
@@ -40,7 +48,7 @@ def evaluate(
         }
     return {
         "val_loss": val["loss"],
-        "perplexity": math.exp(val["loss"]),
+        "perplexity": perplexity(val["loss"]),
         "accuracy": val["accuracy"],
         "tokens": val["count"],
     }

@@ -78,8 +78,8 @@ def export(path: Path, out: Path) -> dict:
             shutil.copyfile(Path(cfg.data.path) / TOKENIZER_FILE, staging / TOKENIZER_FILE)
             tokenizer_config = {
                 "tokenizer_class": "PreTrainedTokenizerFast",
-                "eos_token": END_OF_TEXT,
-                "bos_token": END_OF_TEXT,
+                # Only a tokenizer that has it (one of the user's own may not: documents were joined by newlines).
+                **({"eos_token": END_OF_TEXT, "bos_token": END_OF_TEXT} if end_of_text is not None else {}),
                 "model_max_length": cfg.model.context_length,
             }
             (staging / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")

@@ -27,6 +27,7 @@ import glob
 import hashlib
 import json
 import os
+import shutil
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -37,6 +38,8 @@ import numpy as np
 FORMAT = "p2ptrain-tokens/1"
 MANIFEST = "manifest.json"
 TOKENIZER_FILE = "tokenizer.json"
+STAGING = ".preparing"
+"""Where `prepare` writes a corpus before it replaces the folder's (removed when it ends)."""
 END_OF_TEXT = "<|endoftext|>"
 DEFAULT_SHARD_TOKENS = 1 << 27
 """Tokens per shard file (128 Mi: 256 MB of uint16)."""
@@ -208,6 +211,15 @@ def _jsonl_documents(path: Path, text_field: str) -> Iterator[Iterable[str]]:
             text = row.get(text_field) if isinstance(row, dict) else None
             if not isinstance(text, str):
                 raise PrepareError(f"source {path}:{number}: no string field {text_field!r}")
+            # A JSON escape can spell a lone surrogate, which is no text: it encodes to nothing.
+            if b"\\u" in line:
+                try:
+                    text.encode("utf-8")
+                except UnicodeEncodeError as e:
+                    raise PrepareError(
+                        f"source {path}:{number}: field {text_field!r} holds a lone surrogate "
+                        f"({ascii(e.object[e.start])} at character {e.start}), which is not text"
+                    ) from None
             yield [text]
 
 
@@ -334,8 +346,11 @@ class Tokenizer:
         return self._bpe.decode(ids)
 
     def separator(self) -> np.ndarray:
-        """What joins two documents: the end-of-text token, or a newline byte."""
-        return np.asarray([self.end_of_text if self.end_of_text is not None else ord("\n")], dtype=np.int64)
+        """What joins two documents: the end-of-text token, or a newline (a byte, or as a tokenizer.json without
+        that token encodes it: its id 10 is some other token)."""
+        if self.end_of_text is not None:
+            return np.asarray([self.end_of_text], dtype=np.int64)
+        return self.encode_batch(["\n"])[0].astype(np.int64)
 
     def to_json(self) -> str | None:
         return None if self._bpe is None else self._bpe.to_str()
@@ -376,23 +391,46 @@ class Manifest:
         try:
             doc = json.loads(path.read_text())
             manifest = cls(**doc)
-        except (ValueError, TypeError) as e:
+            if manifest.format == FORMAT:  # a newer format's fields are its own business: said below
+                manifest._check_fields()
+        except (ValueError, TypeError, KeyError) as e:
             raise PrepareError(f"{path}: not a p2ptrain manifest ({e})") from None
         if manifest.format != FORMAT:
             raise PrepareError(f"{path}: format {manifest.format!r}, this p2ptrain reads {FORMAT!r}")
         itemsize = np.dtype(manifest.dtype).itemsize
         for shard in manifest.shards:
-            file = folder / str(shard["file"])
-            expected = int(shard["tokens"]) * itemsize
+            file = folder / shard["file"]
+            expected = shard["tokens"] * itemsize
             if not file.is_file() or file.stat().st_size != expected:
                 raise PrepareError(
                     f"{file}: missing or not {expected} bytes as the manifest says; prepare again"
                 )
-        if sum(int(s["tokens"]) for s in manifest.shards) != manifest.num_tokens:
+        if sum(s["tokens"] for s in manifest.shards) != manifest.num_tokens:
             raise PrepareError(f"{path}: num_tokens does not match its shards")
         if manifest.tokenizer == "bpe" and not (folder / TOKENIZER_FILE).is_file():
             raise PrepareError(f"{folder}: no {TOKENIZER_FILE} for its BPE tokens")
         return manifest
+
+    def _check_fields(self) -> None:
+        """The fields' types, and a dtype that holds the vocabulary: ValueError or TypeError naming the field."""
+        whole = lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0  # noqa: E731
+        if not (whole(self.vocab_size) and self.vocab_size > 0):
+            raise ValueError(f"vocab_size {self.vocab_size!r}: not a positive whole number")
+        if not whole(self.num_tokens):
+            raise ValueError(f"num_tokens {self.num_tokens!r}: not a whole number")
+        if not isinstance(self.dtype, str) or self.dtype != dtype_for(self.vocab_size).name:
+            raise ValueError(
+                f"dtype {self.dtype!r}: {dtype_for(self.vocab_size).name} holds {self.vocab_size} ids"
+            )
+        if not isinstance(self.shards, list):
+            raise ValueError(f"shards {self.shards!r}: not a list")
+        for shard in self.shards:
+            if not (
+                isinstance(shard, dict) and isinstance(shard.get("file"), str) and whole(shard.get("tokens"))
+            ):
+                raise ValueError(f"shard {shard!r}: not a file name and a token count")
+            if Path(shard["file"]).name != shard["file"]:
+                raise ValueError(f"shard file {shard['file']!r}: not a name in the folder")
 
     def write(self, folder: Path) -> None:
         tmp = folder / (MANIFEST + ".tmp")
@@ -431,24 +469,31 @@ def prepare(
         raise PrepareError(f"shard tokens {shard_tokens}: give at least 1")
 
     out.mkdir(parents=True, exist_ok=True)
-    for stale in out.glob("tokens-*.bin"):
-        stale.unlink()
+    # Written aside and moved in once whole: a source that fails halfway leaves the folder's corpus as it was.
+    staging = out / STAGING
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
     dtype = dtype_for(tok.vocab_size)
     tokenizer_json = tok.to_json()
-    if tokenizer_json is not None:
-        (out / TOKENIZER_FILE).write_text(tokenizer_json)
-    elif (out / TOKENIZER_FILE).exists():
-        (out / TOKENIZER_FILE).unlink()
     identity = hashlib.sha256((tokenizer_json or "byte").encode())
-    writer = _ShardWriter(out, dtype, shard_tokens, identity)
+    writer = _ShardWriter(staging, dtype, shard_tokens, identity)
     count = 0
-    for batch in _batches(sources, text_field, progress):
-        for ids, (_, ends_document) in zip(tok.encode_batch([text for text, _ in batch]), batch):
-            writer.write(ids)
-            if ends_document:
-                writer.write(tok.separator())
-                count += 1
-    shards = writer.close()
+    try:
+        if tokenizer_json is not None:
+            (staging / TOKENIZER_FILE).write_text(tokenizer_json)
+        for batch in _batches(sources, text_field, progress):
+            for ids, (_, ends_document) in zip(tok.encode_batch([text for text, _ in batch]), batch):
+                writer.write(ids)
+                if ends_document:
+                    writer.write(tok.separator())
+                    count += 1
+        shards = writer.close()
+        if sum(s["tokens"] for s in shards) == 0:
+            raise PrepareError("the sources hold no text")
+    except BaseException:
+        writer.close()
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     manifest = Manifest(
         format=FORMAT,
         tokenizer=tok.kind,
@@ -464,8 +509,13 @@ def prepare(
         if tokenizer_json is None
         else hashlib.sha256(tokenizer_json.encode()).hexdigest(),
     )
-    if manifest.num_tokens == 0:
-        raise PrepareError("the sources hold no text")
+    # The old manifest goes first: a folder caught between two corpora says "prepare again", never reads as one.
+    (out / MANIFEST).unlink(missing_ok=True)
+    for stale in [*out.glob("tokens-*.bin"), out / TOKENIZER_FILE]:
+        stale.unlink(missing_ok=True)
+    for made in staging.iterdir():
+        os.replace(made, out / made.name)
+    staging.rmdir()
     manifest.write(out)
     return manifest
 

@@ -48,6 +48,25 @@ def test_text_file_source(tmp_path):
     assert x.dtype == torch.int64 and x.max() < 256
 
 
+def test_the_smallest_corpus_a_split_allows_has_a_validation_window():
+    # The validation split is at least context_length + 1 tokens: one window, not none (the evaluation's mean
+    # over no tokens divided by zero).
+    T = 64
+    corpus = Corpus.from_bytes(bytes(range(256)) * 2, T, 0.05)
+    assert len(corpus.val) == T + 1
+    (x, y), *rest = list(corpus.val_batches(4, 2))
+    assert x.shape == (1, T) and not rest and torch.equal(x[0, 1:], y[0, :-1])
+
+
+def test_a_blown_up_models_perplexity_is_inf_not_an_error():
+    import math
+
+    from p2ptrain.evaluation import perplexity
+
+    assert perplexity(2.0) == math.exp(2.0) and perplexity(710.0) == math.inf  # math.exp(710) raises
+    assert math.isnan(perplexity(math.nan))
+
+
 def test_tiny_corpus_is_a_clear_error():
     with pytest.raises(ValueError, match="too small"):
         Corpus.from_bytes(b"abc" * 10, 64, 0.1)

@@ -131,6 +131,63 @@ def test_a_long_line_is_cut_between_characters_never_inside_one(tmp_path, monkey
     assert got == path.read_bytes() + b"\n"
 
 
+def test_a_prepare_that_fails_part_way_leaves_the_folders_corpus_as_it_was(tmp_path):
+    out = tmp_path / "out"
+    good = prepare([str(write_corpus(tmp_path / "src"))], out, shard_tokens=5000)
+    before = {f.name: f.read_bytes() for f in out.iterdir()}
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps({"text": "fine"}) + "\n" + json.dumps({"text": "lone \ud800 half"}) + "\n")
+    with pytest.raises(PrepareError, match=r"rows.jsonl:2: field 'text' holds a lone surrogate \('\\ud800'"):
+        prepare([str(tmp_path / "src"), str(rows)], out, shard_tokens=5000)
+    assert {f.name: f.read_bytes() for f in out.iterdir()} == before  # no staging left, nothing replaced
+    assert Manifest.read(out).sha256 == good.sha256
+    # One that succeeds replaces it whole: fewer shards, and no BPE tokenizer left from an earlier corpus.
+    prepare([str(write_corpus(tmp_path / "src"))], tmp_path / "bpe", tokenizer="bpe", vocab_size=300)
+    small = prepare([str(tmp_path / "src" / "doc0.txt")], tmp_path / "bpe", shard_tokens=1 << 20)
+    assert sorted(f.name for f in (tmp_path / "bpe").iterdir()) == ["manifest.json", "tokens-00000.bin"]
+    assert Manifest.read(tmp_path / "bpe").sha256 == small.sha256 and small.tokenizer == "byte"
+
+
+def test_a_manifest_with_fields_of_the_wrong_kind_is_refused_in_one_line(tmp_path):
+    out = tmp_path / "out"
+    prepare([str(write_corpus(tmp_path / "src"))], out)
+    doc = json.loads((out / "manifest.json").read_text())
+    for field, value, says in [
+        ("dtype", "int77", "dtype 'int77'"),
+        ("dtype", "uint16", "dtype 'uint16': uint8 holds 256 ids"),
+        ("vocab_size", "256", "vocab_size '256'"),
+        ("shards", ["tokens-00000.bin"], "shard 'tokens-00000.bin'"),
+        ("shards", None, "shards None"),
+        ("shards", [{"file": "tokens-00000.bin"}], "not a file name and a token count"),
+        ("shards", [{"file": "../../etc/passwd", "tokens": 1}], "not a name in the folder"),
+        ("num_tokens", -1, "num_tokens -1"),
+    ]:
+        (out / "manifest.json").write_text(json.dumps({**doc, field: value}))
+        with pytest.raises(PrepareError, match="not a p2ptrain manifest") as refused:
+            Manifest.read(out)
+        assert says in str(refused.value) and "\n" not in str(refused.value), (field, value)
+
+
+def test_documents_of_a_tokenizer_without_an_end_of_text_token_are_joined_by_its_newline(tmp_path):
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    bpe = HFTokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    bpe.train_from_iterator([TEXT * 50], trainer)
+    bpe.save(str(tmp_path / "theirs.json"))
+    manifest = prepare(
+        [str(write_corpus(tmp_path / "src"))], tmp_path / "out", tokenizer=str(tmp_path / "theirs.json")
+    )
+    assert manifest.end_of_text is None
+    corpus = Corpus.from_prepared(tmp_path / "out", 16, 0.1)
+    ids = torch.cat([corpus.train.tensor(), corpus.val.tensor()]).tolist()
+    text = "".join((tmp_path / "src" / f"doc{i}.txt").read_text() + "\n" for i in range(3))
+    assert Tokenizer.from_file(tmp_path / "theirs.json").decode(ids) == text
+
+
 def test_a_damaged_folder_is_refused_with_a_line_that_says_what_to_do(tmp_path):
     prepare([str(write_corpus(tmp_path / "src"))], tmp_path / "out")
     with pytest.raises(PrepareError, match="no manifest.json; prepare it"):
