@@ -57,6 +57,9 @@ def read_maddrs_file(path: Path | None, timeout_s: float) -> list[str]:
             lines = [line.strip() for line in Path(path).read_text().splitlines()]
         except FileNotFoundError:
             lines = []
+        except (OSError, UnicodeDecodeError) as e:  # a folder, unreadable, not text: it will not get better
+            reason = getattr(e, "strerror", None) or f"not UTF-8 text (byte {getattr(e, 'start', '?')})"
+            raise SwarmError(f"swarm.initial_peers_file {path}: cannot read it ({reason})") from None
         maddrs = [line for line in lines if line and not line.startswith("#")]
         if maddrs:
             for maddr in maddrs:

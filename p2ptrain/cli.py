@@ -604,6 +604,8 @@ def eval_(
             loaded, metrics = evaluator.file(path)
         except (CheckpointError, OSError) as e:
             raise fail(str(e), EXIT_RUNTIME) from None
+        except ValueError as e:  # its data here (data.path: missing, too small) cannot be evaluated on
+            raise fail(f"{path}: {str(e).splitlines()[0]}", EXIT_USAGE) from None
         cfg = loaded.config
         result = {"checkpoint": str(path), "round": loaded.round, "run_id": cfg.run.run_id, **metrics}
         peer = loaded.metadata.get("peer_id", "")[-8:] or path.parent.name
@@ -646,6 +648,11 @@ def export_(
     from p2ptrain.checkpoint import CheckpointError
     from p2ptrain.export import ExportError, export
 
+    if checkpoint_path.is_dir():
+        raise fail(
+            f"{checkpoint_path}: is a folder; give a model file (e.g. {checkpoint_path / 'final.safetensors'})",
+            EXIT_USAGE,
+        )
     output_folder(out, "--out")
     try:
         config = export(checkpoint_path, out)
@@ -744,6 +751,19 @@ def config_reference() -> None:
 
 def main() -> None:
     try:
-        app()
+        code = app(standalone_mode=False)
+    except typer.TyperException as e:  # click's usage errors (typer vendors click)
+        if type(e).__name__ == "NoArgsIsHelpError":  # a command without its arguments: its help is printed
+            raise SystemExit(getattr(e, "exit_code", EXIT_USAGE)) from None
+        # A bad flag or argument is one line, as every other error here, not a box of usage and help.
+        ctx = getattr(e, "ctx", None)
+        where = f"`{ctx.command_path} --help`" if ctx is not None else "`p2ptrain --help`"
+        message = e.format_message() if hasattr(e, "format_message") else str(e)
+        sys.stderr.write(f"error: {message} (see {where})\n")
+        raise SystemExit(getattr(e, "exit_code", EXIT_USAGE)) from None
+    except typer.Abort:
+        sys.stderr.write("error: aborted\n")
+        raise SystemExit(1) from None
     except KeyboardInterrupt:
         raise SystemExit(130) from None
+    raise SystemExit(code if isinstance(code, int) else 0)

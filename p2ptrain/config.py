@@ -54,7 +54,7 @@ class RunConfig(_Section):
     run_id: str = "p2ptrain-default"
     """Name of the training run. Peers train together only if their run_id matches; every DHT key lives
     under it. Letters, digits, '-' and '_' only."""
-    seed: int = 0
+    seed: int = Field(default=0, ge=0, lt=1 << 63)
     """Seed for model initialization and data order. Every peer of a run must use the same seed."""
 
     @field_validator("run_id")
@@ -172,7 +172,7 @@ class InnerConfig(_Section):
     """AdamW betas."""
     warmup_steps: int = Field(default=20, ge=0)
     """Linear warmup of the inner learning rate over this many local steps (counted across rounds)."""
-    batch_size: int = Field(default=16, ge=1)
+    batch_size: int = Field(default=16, ge=1, le=1 << 20)
     """Sequences per inner step on this peer."""
     num_inner_steps: int = Field(default=15, ge=1)
     """H: inner steps per round before the peers average their pseudo-gradients (with inner.round_seconds:
@@ -362,7 +362,7 @@ class VerificationConfig(_Section):
     peer that does not reveal is left out of the round)."""
 
 
-SWARM_KEY_RE = re.compile(r"^[0-9a-f]{64}$")
+SWARM_KEY_RE = re.compile(r"^[0-9a-fA-F]{64}$")  # upper case too: the same bytes, copied from another tool
 
 
 def read_key_file(path: Path) -> bytes:
@@ -858,24 +858,76 @@ class _YamlSource(PydanticBaseSettingsSource):
         return dict(_YAML_DATA.get() or {})
 
 
+MAX_CONFIG_FILE_BYTES = 1 << 20
+"""A config is a few lines; a file larger than this is not one (``/dev/zero`` would never end)."""
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """``yaml.safe_load``, but a key given twice in one mapping is an error (YAML keeps the last, silently)."""
+
+
+def _mapping_without_duplicates(loader: _StrictLoader, node: yaml.MappingNode) -> dict[Any, Any]:
+    loader.flatten_mapping(node)  # merge keys (<<) first, as safe_load does
+    seen: set[Any] = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=True)
+        try:
+            twice = key in seen
+        except TypeError:  # an unhashable key: construct_mapping says so
+            continue
+        if twice:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"key {key!r} is given twice", key_node.start_mark
+            )
+        seen.add(key)
+    return loader.construct_mapping(node, deep=True)
+
+
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping_without_duplicates)
+
+
 def read_yaml(path: Path) -> dict[str, Any]:
-    """Read a config file into a dict, with a one-line error for unreadable or malformed files."""
+    """Read a config file into a dict of sections, with a one-line error for unreadable or malformed files."""
+    path = Path(path)
     try:
-        text = Path(path).read_text()
+        if path.exists() and not path.is_file():
+            raise ConfigError(f"cannot read config file {path}: not a file")
+        with path.open("rb") as f:
+            raw = f.read(MAX_CONFIG_FILE_BYTES + 1)
     except OSError as e:
         raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
+    if len(raw) > MAX_CONFIG_FILE_BYTES:
+        raise ConfigError(
+            f"config file {path}: more than {MAX_CONFIG_FILE_BYTES} bytes, too large for a config"
+        )
     try:
-        data = yaml.safe_load(text)
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {path}: not UTF-8 text (byte {e.start})") from None
+    try:
+        data = yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
         raise ConfigError(f"{path}: not valid YAML{where}: {problem}") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: nested too deeply to be a config") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(data).__name__}")
-    return data
+    for section, fields in data.items():
+        if not isinstance(section, str):
+            raise ConfigError(f"{path}: {section!r} is not a section's name")
+        # Refused here, not by the model: a flag that sets a key of the section would replace it unseen.
+        if fields is not None and not isinstance(fields, dict):
+            raise ConfigError(
+                f"{path}: section {section!r} is {type(fields).__name__} {str(fields)[:40]!r}, not a mapping of its "
+                "keys"
+            )
+    # A section whose keys are all commented out is its defaults.
+    return {section: {} if fields is None else fields for section, fields in data.items()}
 
 
 def parse_set(assignments: list[str]) -> dict[str, Any]:
@@ -892,6 +944,8 @@ def parse_set(assignments: list[str]) -> dict[str, Any]:
             value = yaml.safe_load(raw) if raw.strip() else None
         except yaml.YAMLError:
             value = raw
+        except RecursionError:
+            raise ConfigError(f"--set {key.strip()}: the value is nested too deeply") from None
         node = result
         for part in parts[:-1]:
             node = node.setdefault(part, {})
@@ -941,6 +995,8 @@ def _construct(data: dict[str, Any], overrides: dict[str, Any]) -> ExperimentCon
         return ExperimentConfig(**overrides)
     except SettingsError as e:
         raise ConfigError(_environment_problem(e)) from None
+    except RecursionError:  # the file's and --set's values were read before: a variable's JSON
+        raise ConfigError("environment variables: a P2PTRAIN_ variable's JSON is nested too deeply") from None
     finally:
         _YAML_DATA.reset(token)
 
@@ -1007,7 +1063,17 @@ def _is_collection(annotation: Any) -> bool:
 def _environment_problem(error: SettingsError) -> str:
     """pydantic-settings' error for a variable it cannot parse, as one line naming the variable: a list or
     mapping field takes JSON (``P2PTRAIN_SWARM__INITIAL_PEERS='["/ip4/..."]'``)."""
+    sections = {ENV_PREFIX + name.upper(): name for name in ExperimentConfig.model_fields}
     for name, value in sorted(os.environ.items()):
+        if name.upper() in sections:  # a whole section, which pydantic-settings reads as JSON
+            try:
+                json.loads(value)
+            except ValueError:
+                whole = {"lr": 0.0003} if sections[name.upper()] == "inner" else {"key": "value"}
+                return (
+                    f"environment variable {name}: a whole section is JSON, e.g. {name}='{json.dumps(whole)}', "
+                    f"or set one key: {name.upper()}__<KEY> (got {value[:40]!r})"
+                )
         field = _env_field(name)
         section = ExperimentConfig.model_fields.get(field[0]) if field else None
         if field is None or section is None or not isinstance(section.annotation, type):

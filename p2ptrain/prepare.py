@@ -477,18 +477,19 @@ def prepare(
     tokenizer_json = tok.to_json()
     identity = hashlib.sha256((tokenizer_json or "byte").encode())
     writer = _ShardWriter(staging, dtype, shard_tokens, identity)
-    count = 0
+    count = text_tokens = 0
     try:
         if tokenizer_json is not None:
             (staging / TOKENIZER_FILE).write_text(tokenizer_json)
         for batch in _batches(sources, text_field, progress):
             for ids, (_, ends_document) in zip(tok.encode_batch([text for text, _ in batch]), batch):
                 writer.write(ids)
+                text_tokens += len(ids)
                 if ends_document:
                     writer.write(tok.separator())
                     count += 1
         shards = writer.close()
-        if sum(s["tokens"] for s in shards) == 0:
+        if text_tokens == 0:  # separators alone (empty files) are no corpus
             raise PrepareError("the sources hold no text")
     except BaseException:
         writer.close()

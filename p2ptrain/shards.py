@@ -9,7 +9,8 @@ import torch
 
 
 def generator(seed: int, round: int, stream: int) -> torch.Generator:
-    return torch.Generator().manual_seed((seed * 1_000_003 + round) * 7 + stream)
+    # Modulo 2**64, what a torch seed holds (the same seed as before for any seed below about 2**40).
+    return torch.Generator().manual_seed(((seed * 1_000_003 + round) * 7 + stream) % (1 << 64))
 
 
 def shard_windows(num_windows: int, *, seed: int, round: int, rank: int, world: int) -> torch.Tensor:

@@ -2,6 +2,7 @@
 
 import json
 import math
+import re
 import subprocess
 import sys
 
@@ -87,6 +88,22 @@ def test_eval_of_a_bad_file_is_a_clear_error(tmp_path):
     assert out.returncode == 1 and one_line_error(out)[0].startswith("error: ")
 
 
+def test_eval_of_a_model_whose_data_is_not_here_is_one_line(tmp_path):
+    empty = tmp_path / "mnist"
+    empty.mkdir()
+    cfg = ExperimentConfig(
+        model={"name": "cnn-tiny"}, data={"source": "idx", "path": empty}
+    )  # no IDX files in it
+    model = build_model("cnn-tiny", 28, num_classes=10, channels=1, image_size=(28, 28))
+    path = tmp_path / "final.safetensors"
+    checkpoint.save(path, model, DiLoCo(model, lr=0.7, momentum=0.9, nesterov=True), cfg)
+    out = run("eval", str(path))
+    assert out.returncode == 2 and len(one_line_error(out)) == 1, out.stderr
+    assert one_line_error(out)[0].startswith(f"error: {path}: data.path: {empty} has no train-images"), (
+        out.stderr
+    )
+
+
 @pytest.mark.parametrize("outcome", ["stranded", "diverged"])
 def test_a_peer_that_ends_without_the_swarms_final_model_exits_3_with_one_line(
     monkeypatch, tmp_path, outcome
@@ -122,6 +139,18 @@ def test_an_unwritable_maddrs_file_is_one_line_before_any_dht_starts(tmp_path):
     ]
 
 
+def test_an_initial_peers_file_that_cannot_be_read_is_one_line_at_once(tmp_path):
+    from p2ptrain.addrs import SwarmError, read_maddrs_file
+
+    binary = tmp_path / "peers.bin"
+    binary.write_bytes(b"\xff\xfe garbage")
+    for path, says in [(tmp_path, "Is a directory"), (binary, "not UTF-8 text (byte 0)")]:
+        with pytest.raises(
+            SwarmError, match=rf"^swarm.initial_peers_file {path}: cannot read it \({re.escape(says)}"
+        ):
+            read_maddrs_file(path, timeout_s=600)  # refused at once, not waited on for 10 minutes
+
+
 def test_a_volunteers_file_of_its_own_sections_joins_the_swarms_experiment(tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
@@ -134,7 +163,11 @@ def test_a_volunteers_file_of_its_own_sections_joins_the_swarms_experiment(tmp_p
     timeouts = tmp_path / "timeouts.yaml"
     timeouts.write_text("averaging: {barrier_timeout_s: 90}\nverification: {reveal_timeout_s: 60}\n")
     assert cli.own_settings_only(timeouts)
-    for shared in ("averaging: {barrier_timeout_s: 90, compression: none}", "inner: {lr: 0.1}", "run: [x]"):
+    for shared in (
+        "averaging: {barrier_timeout_s: 90, compression: none}",
+        "inner: {lr: 0.1}",
+        "run: {seed: 1}",
+    ):
         (tmp_path / "shared.yaml").write_text(shared + "\n")
         assert not cli.own_settings_only(tmp_path / "shared.yaml"), shared
     asked = []
@@ -223,6 +256,10 @@ def test_output_paths_are_refused_before_the_work_that_ends_in_them(tmp_path):
             f"--plot {folder}: cannot write",
         ),
         (("eval", str(folder)), f"{folder}: is a folder"),
+        (("export", str(folder), "--out", str(tmp_path / "hf")), f"{folder}: is a folder"),
+        (("join", "--rounds", "abc"), "Invalid value for '--rounds'"),  # click's usage errors: one line too
+        (("join", "--no-such-flag"), "No such option: --no-such-flag (see `"),
+        (("eval",), "Missing argument"),
         (("demo", "--peers", "1", "--workdir", str(file)), f"--workdir {file}: is a file"),
         (("demo", "--peers", "1", "--summary-json", str(folder)), f"--summary-json {folder}: cannot write"),
         (("export", str(tmp_path / "model.safetensors"), "--out", str(file)), f"--out {file}: is a file"),

@@ -1,4 +1,5 @@
 import re
+from pathlib import Path
 
 import pytest
 
@@ -85,6 +86,55 @@ def test_malformed_yaml_is_one_clear_error(tmp_path):
         load_config(write(tmp_path, "inner:\n  lr: [0.1\n"))
     with pytest.raises(ConfigError, match=r"top level must be a mapping"):
         load_config(write(tmp_path, "- a\n- b\n"))
+
+
+def test_a_config_file_that_is_no_config_is_one_line_never_a_traceback_or_a_hang(tmp_path):
+    cases = [
+        (b"inner:\n  lr: \xff\n", r"not UTF-8 text \(byte 13\)"),
+        (b"1: 2\n", r"1 is not a section's name"),
+        (b"swarm: 5\n", r"section 'swarm' is int '5', not a mapping of its keys"),
+        (b"inner: [0.1]\n", r"section 'inner' is list"),
+        (
+            b"inner: {lr: 0.1}\ninner: {lr: 0.2}\n",
+            r"not valid YAML \(line 2, column 1\): key 'inner' is given twice",
+        ),
+        (b"inner: {lr: 0.1, lr: 0.2}\n", r"key 'lr' is given twice"),
+        (b"[" * 5000, r"nested too deeply"),
+        (b"x" * (1 << 20) + b"\n", r"too large for a config"),
+    ]
+    for text, says in cases:
+        path = tmp_path / "c.yaml"
+        path.write_bytes(text)
+        with pytest.raises(ConfigError, match=says) as refused:
+            load_config(path, {"swarm": {"min_peers": 1}})  # a flag into the same section changes nothing
+        assert "\n" not in str(refused.value)
+    with pytest.raises(ConfigError, match=r"cannot read config file /dev/zero: not a file"):
+        load_config(Path("/dev/zero"))
+    # What stays allowed: a byte-order mark, an empty section, YAML's merge keys.
+    path.write_bytes("\ufeffinner: {lr: 0.1}\nswarm:\nmodel: &m {name: gpt-micro}\n".encode())
+    assert load_config(path).inner.lr == 0.1
+
+
+def test_values_nested_too_deeply_or_too_large_are_one_line(monkeypatch):
+    with pytest.raises(ConfigError, match=r"^--set inner.lr: the value is nested too deeply$"):
+        parse_set(["inner.lr=" + "[" * 3000])
+    monkeypatch.setenv("P2PTRAIN_INNER__BETAS", "[" * 3000)
+    with pytest.raises(
+        ConfigError, match=r"^environment variables: a P2PTRAIN_ variable's JSON is nested too"
+    ):
+        load_config(None)
+    monkeypatch.delenv("P2PTRAIN_INNER__BETAS")
+    monkeypatch.setenv("P2PTRAIN_INNER", "garbage")
+    with pytest.raises(ConfigError, match=r"^environment variable P2PTRAIN_INNER: a whole section is JSON"):
+        load_config(None)
+    monkeypatch.setenv("P2PTRAIN_INNER", '{"lr": 0.5}')
+    assert load_config(None).inner.lr == 0.5
+    monkeypatch.delenv("P2PTRAIN_INNER")
+    for field, value in [("inner.batch_size", 10**20), ("run.seed", 2**63), ("run.seed", -1)]:
+        section, key = field.split(".")
+        with pytest.raises(ConfigError, match=rf"^command line: {field}: "):
+            load_config(None, {section: {key: value}})
+    assert load_config(None, {"run": {"seed": 2**63 - 1}}).run.seed == 2**63 - 1
 
 
 def test_missing_file(tmp_path):
@@ -191,6 +241,8 @@ def test_a_swarm_key_file_that_is_missing_or_not_a_key_is_refused_at_validation(
     ):
         load_config(None, {"swarm": {"key_file": str(bad)}})
     bad.write_text("ab" * 32 + "\n")
+    assert load_config(None, {"swarm": {"key_file": str(bad)}}).swarm.key_file == bad
+    bad.write_text("AB" * 32 + "\n")  # upper case: the same key
     assert load_config(None, {"swarm": {"key_file": str(bad)}}).swarm.key_file == bad
 
 

@@ -148,6 +148,13 @@ def test_a_prepare_that_fails_part_way_leaves_the_folders_corpus_as_it_was(tmp_p
     assert Manifest.read(tmp_path / "bpe").sha256 == small.sha256 and small.tokenizer == "byte"
 
 
+def test_sources_of_empty_documents_hold_no_text(tmp_path):
+    (tmp_path / "empty.txt").write_text("")
+    with pytest.raises(PrepareError, match="the sources hold no text"):
+        prepare([str(tmp_path / "empty.txt")], tmp_path / "out")  # its one separator is no corpus
+    assert not (tmp_path / "out" / "manifest.json").exists()
+
+
 def test_a_manifest_with_fields_of_the_wrong_kind_is_refused_in_one_line(tmp_path):
     out = tmp_path / "out"
     prepare([str(write_corpus(tmp_path / "src"))], out)
