@@ -608,7 +608,7 @@ def eval_(
             raise fail(f"{path}: {str(e).splitlines()[0]}", EXIT_USAGE) from None
         cfg = loaded.config
         result = {"checkpoint": str(path), "round": loaded.round, "run_id": cfg.run.run_id, **metrics}
-        peer = loaded.metadata.get("peer_id", "")[-8:] or path.parent.name
+        peer = loaded.metadata.get("peer_id", "")[-8:] or path.resolve().parent.name or path.stem
         series.setdefault(peer, []).append((loaded.round, metrics["val_loss"]))
         if as_json:
             typer.echo(json.dumps(result))
