@@ -219,16 +219,23 @@ class LoadedModel:
         return h.hexdigest()
 
 
-def load(path: Path) -> LoadedModel:
-    """Read a model file written by :func:`save`.
+def load(path: Path, data_path: Path | None = None) -> LoadedModel:
+    """Read a model file written by :func:`save`. ``data_path``: where the run's data is on this machine, in
+    place of the path the file's config names (another machine's); it must hold the data the run trained on.
 
     Raises:
-        CheckpointError: missing, unreadable, not ours, or its params do not match their recorded hash.
+        CheckpointError: missing, unreadable, not ours, or its params do not match their recorded hash; the
+            data at ``data_path`` is not the run's.
     """
-    return _read(path)[0]
+    loaded = _read(path, data_path)[0]
+    if data_path is not None and loaded.metadata.get("config_hash") not in loaded.config.resumable_hashes():
+        raise CheckpointError(
+            f"{path}: the data at {data_path} is not what its run trained on (its content differs)"
+        )
+    return loaded
 
 
-def _read(path: Path) -> tuple[LoadedModel, dict[str, torch.Tensor]]:
+def _read(path: Path, data_path: Path | None = None) -> tuple[LoadedModel, dict[str, torch.Tensor]]:
     """:func:`load`, and every tensor of the file (its training state too): read once."""
     path = Path(path)
     if not path.is_file():
@@ -243,7 +250,7 @@ def _read(path: Path) -> tuple[LoadedModel, dict[str, torch.Tensor]]:
         raise CheckpointError(
             f"{path}: not a p2ptrain model file (format {str(metadata.get('format'))[:40]!r})"
         )
-    config = _embedded_config(path, metadata.get("config"))
+    config = _embedded_config(path, metadata.get("config"), data_path)
     round_ = _round_in(metadata)
     if round_ is None:
         text = str(metadata.get("round", ""))
@@ -262,7 +269,7 @@ def _round_in(metadata: dict[str, str]) -> int | None:
 MAX_CONFIG_BYTES = 1 << 20
 
 
-def _embedded_config(path: Path, text: str | None) -> ExperimentConfig:
+def _embedded_config(path: Path, text: str | None, data_path: Path | None = None) -> ExperimentConfig:
     if not text:
         raise CheckpointError(f"{path}: it carries no experiment config")
     if len(text) > MAX_CONFIG_BYTES:
@@ -273,6 +280,8 @@ def _embedded_config(path: Path, text: str | None) -> ExperimentConfig:
         raise CheckpointError(f"{path}: its embedded config is not valid JSON ({type(e).__name__})") from None
     if not isinstance(data, dict):
         raise CheckpointError(f"{path}: its embedded config is not a mapping of sections")
+    if data_path is not None:
+        data = {**data, "data": {**(data.get("data") or {}), "path": str(data_path)}}
     # Every field left out is the default (config.TRAINING_SECTIONS), never the reader's environment
     # (P2PTRAIN_* variables would fill the gaps of a settings model): the defaults go in first.
     try:
@@ -283,6 +292,8 @@ def _embedded_config(path: Path, text: str | None) -> ExperimentConfig:
         problems = format_validation_error(e).replace("\n", "; ")
         newer = any(item["type"] == "extra_forbidden" for item in e.errors())
         hint = " (a newer release's fields: upgrade p2ptrain to read this file)" if newer else ""
+        if not newer and data_path is None and "data.path" in problems:
+            hint = " (the run's data is not there on this machine: give your copy of it with --data-path)"
         raise CheckpointError(f"{path}: its embedded config is invalid: {problems}{hint}") from None
     except (ConfigError, ValueError, RecursionError) as e:
         raise CheckpointError(

@@ -59,6 +59,13 @@ MetricsPortOpt = Annotated[
     int | None, typer.Option(help="Serve Prometheus metrics on this port at /metrics (metrics.port).")
 ]
 RunIdOpt = Annotated[str | None, typer.Option(help="The run to watch (run.run_id).")]
+DataPathOpt = Annotated[
+    Path | None,
+    typer.Option(
+        help="This machine's copy of the run's data (data.path), where the model file names another machine's "
+        "path; it must hold what the run trained on."
+    ),
+]
 KeyFileOpt = Annotated[
     Path | None, typer.Option(help="The swarm key (swarm.key_file; `p2ptrain keygen` makes one).")
 ]
@@ -585,6 +592,7 @@ def eval_(
         Path | None,
         typer.Option(help="Write a PNG of validation loss against round, one line per peer."),
     ] = None,
+    data_path: DataPathOpt = None,
 ) -> None:
     """Report validation loss, perplexity and next-token accuracy of model files; for an image classifier,
     validation loss and accuracy and test accuracy."""
@@ -601,7 +609,7 @@ def eval_(
     evaluator = Evaluator()
     for path in checkpoint_paths:
         try:
-            loaded, metrics = evaluator.file(path)
+            loaded, metrics = evaluator.file(path, data_path)
         except (CheckpointError, OSError) as e:
             raise fail(str(e), EXIT_RUNTIME) from None
         except ValueError as e:  # its data here (data.path: missing, too small) cannot be evaluated on
@@ -642,6 +650,7 @@ def export_(
     out: Annotated[
         Path, typer.Option(help="The folder to write (config.json, model.safetensors, tokenizer).")
     ],
+    data_path: DataPathOpt = None,
 ) -> None:
     """Write a Llama-shaped model file as a Hugging Face folder: `AutoModelForCausalLM.from_pretrained(OUT)`
     opens it, and `AutoTokenizer` too where the run trained on a prepared BPE corpus (docs/data.md)."""
@@ -655,7 +664,7 @@ def export_(
         )
     output_folder(out, "--out")
     try:
-        config = export(checkpoint_path, out)
+        config = export(checkpoint_path, out, data_path)
     except (CheckpointError, ExportError, OSError) as e:
         raise fail(str(e), EXIT_RUNTIME if isinstance(e, CheckpointError | OSError) else EXIT_USAGE) from None
     typer.echo(

@@ -100,6 +100,7 @@ class Evaluator:
         checkpoint.load_into(model, loaded, path)
         return evaluate(model, corpus, cfg, torch.device("cpu"))
 
-    def file(self, path: Path) -> tuple[checkpoint.LoadedModel, dict]:
-        loaded = checkpoint.load(path)
+    def file(self, path: Path, data_path: Path | None = None) -> tuple[checkpoint.LoadedModel, dict]:
+        """A model file's metrics, on the data its config names (or on ``data_path``, a copy of it here)."""
+        loaded = checkpoint.load(path, data_path)
         return loaded, self.loaded(loaded, path)

@@ -31,15 +31,16 @@ OUTPUT_FILES = ("config.json", "model.safetensors", TOKENIZER_FILE, "tokenizer_c
 """What an export writes into its folder; those of an earlier export that this one does not write go."""
 
 
-def export(path: Path, out: Path) -> dict:
+def export(path: Path, out: Path, data_path: Path | None = None) -> dict:
     """Write ``path``'s model into ``out`` (created; an earlier export's files there replaced or removed).
+    ``data_path``: this machine's copy of the run's data, where the file's config names another machine's.
     Returns config.json.
 
     Raises:
         CheckpointError: not a readable model file, or its params do not match their recorded hash.
         ExportError: not a Llama-shaped model, or its prepared data is not the run's.
     """
-    loaded = checkpoint.load(path)
+    loaded = checkpoint.load(path, data_path)
     cfg = loaded.config
     shape = ZOO[cfg.model.name]
     if not isinstance(shape, LlamaShape):

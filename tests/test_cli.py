@@ -88,6 +88,35 @@ def test_eval_of_a_bad_file_is_a_clear_error(tmp_path):
     assert out.returncode == 1 and one_line_error(out)[0].startswith("error: ")
 
 
+def test_eval_takes_a_copy_of_the_runs_data_from_data_path_and_refuses_other_data(tmp_path):
+    corpus = tmp_path / "there" / "corpus.txt"
+    corpus.parent.mkdir()
+    corpus.write_text("the run's own words, many times over\n" * 300)
+    cfg = ExperimentConfig(
+        model={"name": "gpt-nano", "context_length": 16},
+        data={"source": "text", "path": corpus, "eval_batches": 2},
+    )
+    model = build_model("gpt-nano", 16)
+    path = tmp_path / "final.safetensors"
+    checkpoint.save(path, model, DiLoCo(model, lr=0.7, momentum=0.9, nesterov=True), cfg)
+    here = tmp_path / "copy.txt"
+    here.write_bytes(corpus.read_bytes())
+    expected = run("eval", str(path), "--json")
+    assert expected.returncode == 0, expected.stderr
+    corpus.unlink()  # another machine: the file's path is not there
+    gone = run("eval", str(path))
+    assert gone.returncode == 1 and len(one_line_error(gone)) == 1, gone.stderr
+    assert "give your copy of it with --data-path" in gone.stderr
+    copied = run("eval", str(path), "--json", "--data-path", str(here))
+    assert copied.returncode == 0, copied.stderr
+    assert json.loads(copied.stdout)["val_loss"] == json.loads(expected.stdout)["val_loss"]
+    here.write_text("other words altogether, as many times\n" * 300)
+    other = run("eval", str(path), "--data-path", str(here))
+    assert other.returncode == 1 and one_line_error(other) == [
+        f"error: {path}: the data at {here} is not what its run trained on (its content differs)"
+    ]
+
+
 def test_eval_of_a_model_whose_data_is_not_here_is_one_line(tmp_path):
     empty = tmp_path / "mnist"
     empty.mkdir()
