@@ -29,6 +29,13 @@ class PeerProcessError(RuntimeError):
     """A peer process exited, or did not do what was awaited in time. The message names its log."""
 
 
+_OWN_PROCESS_GROUP: dict[str, Any] = (
+    {"process_group": 0}
+    if sys.version_info >= (3, 11)
+    else {"preexec_fn": os.setpgrp}  # 3.10: no process_group
+)
+
+
 class PeerProcess:
     """One ``p2ptrain`` subprocess whose output is followed; always :meth:`stop` it (demo and tests do).
 
@@ -74,7 +81,7 @@ class PeerProcess:
             # Not its own session: the kernel shares CPU between sessions (autogroups), and a peer's trainer
             # would then compete with its own averager and p2pd for one session's share (suspected in two
             # under-load failures where a follower missed its leader's group).
-            process_group=0,
+            **_OWN_PROCESS_GROUP,
         )
         self._threads = [
             threading.Thread(target=self._read_stdout, daemon=True),

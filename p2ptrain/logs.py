@@ -27,7 +27,7 @@ def configure(level: str = "info", fmt: str = "auto", **bound: Any) -> None:
     """Route structlog and stdlib logging (hivemind's included) to stderr.
 
     Args:
-        level: debug | info | warning | error (for p2ptrain; hivemind stays at warning unless debug).
+        level: debug | info | warning | error (hivemind's lines: at warning unless debug, error if error).
         fmt: auto | json | console.
         bound: context bound to every line (run_id, peer_id, ...).
     """
@@ -63,7 +63,10 @@ def configure(level: str = "info", fmt: str = "auto", **bound: Any) -> None:
     from hivemind.utils.logging import use_hivemind_log_handler
 
     use_hivemind_log_handler("nowhere")
-    logging.getLogger("hivemind").setLevel(logging.DEBUG if level == "debug" else logging.WARNING)
+    # Its info lines are noise to us: at warning unless debug, and never below what was asked (error: quiet).
+    logging.getLogger("hivemind").setLevel(
+        logging.DEBUG if level == "debug" else max(logging.WARNING, _LEVELS[level])
+    )
 
     structlog.configure(
         processors=[*shared, structlog.stdlib.ProcessorFormatter.wrap_for_formatter],

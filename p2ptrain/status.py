@@ -120,10 +120,18 @@ def render(summary: dict[str, Any]) -> str:
                 str(v.get("strikes", 0)),
                 f"{v.get('banned_by', 0)}/{v.get('reporters', 0)}",
             ]
-        table.add_row(*row)
+        table.add_row(*(_cell(value) for value in row))
     out = StringIO()
     Console(file=out, width=200, color_system=None).print(table)
     return head + "\n" + out.getvalue().rstrip()
+
+
+def _cell(value: str) -> Any:
+    """A table cell as plain text: a record's strings come from other peers, and neither rich's markup in them
+    ('[/bold]' raised an error) nor a terminal's escape sequences may act on the reader's terminal."""
+    from rich.text import Text
+
+    return Text("".join(c if c.isprintable() else "?" for c in value))
 
 
 def _speed(peer: dict[str, Any]) -> str:

@@ -64,3 +64,25 @@ def test_matched_series_say_where_a_value_comes_from():
 def test_anything_else_is_refused_not_misread(query):
     with pytest.raises(PromQLError):
         evaluate(query, SCRAPES)
+
+
+def test_the_dashboards_swarm_panels_count_the_swarm_once_however_many_bootstrap_nodes_report_it():
+    # docs/deploy.md advises two or three bootstrap nodes; each exports the same swarm's gauges.
+    import json
+
+    from tests.conftest import ROOT
+
+    dashboard = json.loads((ROOT / "deploy/grafana/dashboards/p2ptrain.json").read_text())
+    exprs = [
+        t["expr"] for p in dashboard["panels"] for t in p["targets"] if "p2ptrain_swarm_peers" in t["expr"]
+    ]
+    nodes = {
+        ("p2ptrain_swarm_peers", labels(job="p2ptrain-dht", instance=node, state=state)): count
+        for node in ("dht1:9100", "dht2:9100")
+        for state, count in (("training", 3.0), ("averaging", 1.0))
+    }
+    scrapes = Scrapes(nodes, nodes, 15.0)
+    results = [evaluate(expr, scrapes).series for expr in exprs]
+    assert {(): 4.0} in results  # peers alive
+    assert {labels(state="training"): 3.0, labels(state="averaging"): 1.0} in results  # peers by state
+    assert len(results) == 2

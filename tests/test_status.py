@@ -42,6 +42,15 @@ def test_status_shows_each_peers_device_benchmark_and_what_it_contributed():
     assert " - " in row_b and "42 s" in row_b
 
 
+def test_a_peers_strings_are_shown_as_text_never_as_markup_or_terminal_escapes():
+    # Records come from other peers: a device of '[/bold]' made rich raise; an escape would clear the screen.
+    a, b = rec("12D3KooWaaaaaaaaPEER0001", 5), rec("12D3KooWbbbbbbbbPEER0002", 5)
+    a.device, b.device = "[/bold]", "\x1b[2Jcpu"
+    text = render(summarize("run-m", {r.peer_id: r for r in (a, b)}))
+    assert "[/bold]" in next(line for line in text.splitlines() if "PEER0001" in line)
+    assert "\x1b" not in text and "?[2Jcpu" in text
+
+
 def test_empty_swarm_is_said_plainly():
     summary = summarize("run-y", {})
     assert summary["peers"] == [] and summary["round"] == -1
