@@ -438,13 +438,20 @@ def test_a_late_joiner_loads_the_swarms_state_and_trains_with_it(tmp_path, monke
 @pytest.mark.parametrize("overlap", [False, True])
 def test_a_peer_that_falls_behind_drops_its_stale_work_and_catches_up(tmp_path, overlap):
     injector = Injector()
-    injector.stall_at("c", Point.BARRIER, round=1, seconds=2.0)  # its record still says training
+    peers: dict[str, PeerThread] = {}
+
+    def others_applied_round_1() -> bool:
+        return all(p in peers and 1 in peers[p].trainer.rounds_applied for p in ("a", "b"))
+
+    # Its record still says training until a and b have averaged round 1 without it (not for a fixed time: on
+    # a busy machine they could be late, and c would walk into their still open group).
+    injector.stall_at("c", Point.BARRIER, round=1, seconds=60.0, until=others_applied_round_1)
     swarm = MemorySwarm(injector)
     # The others wait for it until the barrier's deadline, then move on; it finds the swarm past its round.
     # With overlap as without: it finds out at its barrier of round 1, before it trains round 2.
     fast = {"averaging": {"barrier_timeout_s": 0.5}, "swarm": {"catch_up_timeout_s": 0.4}}
     fast["outer"] = {"overlap": overlap}
-    peers = start(swarm, tmp_path, ["a", "b", "c"], **fast)
+    peers.update(start(swarm, tmp_path, ["a", "b", "c"], **fast))
     finish(peers)
     assert_swarm_contract(tmp_path, peers, ["a", "b", "c"])
     assert 1 not in peers["c"].trainer.rounds_applied

@@ -79,13 +79,47 @@ def test_it_pauses_at_once_and_resumes_only_after_the_machine_stayed_free():
 
 
 def test_the_machine_reads_other_processes_cpu_without_our_own():
+    import collections
+    import types
+
+    import psutil
+
+    Times = collections.namedtuple("Times", "user system idle iowait")
+
+    class Proc:
+        def __init__(self, pid, cpu_s, kids=()):
+            self.pid, self.cpu_s, self.kids = pid, cpu_s, list(kids)
+
+        def cpu_times(self):
+            if self.cpu_s is None:
+                raise psutil.NoSuchProcess(self.pid)
+            return types.SimpleNamespace(user=self.cpu_s, system=0.0)
+
+        def children(self, recursive):
+            return self.kids
+
+    child = Proc(2, 0.0)  # our averager, say: its CPU is ours too
+    me = Proc(1, 0.0, [child])
+    machine_s = [Times(0.0, 0.0, 0.0, 0.0)]
+    fake = types.SimpleNamespace(
+        cpu_times=lambda: machine_s[0],
+        sensors_battery=lambda: types.SimpleNamespace(power_plugged=False),
+        NoSuchProcess=psutil.NoSuchProcess,
+        AccessDenied=psutil.AccessDenied,
+    )
     machine = Machine()
-    stop = time.monotonic() + 0.3
-    while time.monotonic() < stop:  # our own load: never counted as another process's
-        sum(i * i for i in range(1000))
+    machine._psutil, machine._me = fake, me
+    machine._last_total, machine._last_own = machine._busy_and_total(), machine._own_cpu_s()
+    # One second on 2 cores: 1.5 s busy, of which 0.6 s ours and 0.4 s our child's, 0.5 s idle. Others used 0.5
+    # s of the 1.0 s we left free: 0.5 (counting our own CPU as theirs would read 0.75).
+    machine_s[0] = Times(user=1.2, system=0.3, idle=0.4, iowait=0.1)
+    me.cpu_s, child.cpu_s = 0.6, 0.4
     reading = machine.read()
-    assert reading.other_cpu is None or 0.0 <= reading.other_cpu <= 1.0
-    assert reading.on_battery in (None, True, False)
+    assert reading.other_cpu == pytest.approx(0.5) and reading.on_battery is True
+    # The next second: the child exited (its time is not ours to subtract), nobody else ran, we took 1 s of CPU.
+    machine_s[0] = Times(user=2.2, system=0.3, idle=1.4, iowait=0.1)
+    me.cpu_s, child.cpu_s = 1.6, None
+    assert machine.read().other_cpu == pytest.approx(0.0)
 
 
 def test_a_paused_peer_costs_the_others_no_wait_and_rejoins_on_its_own(tmp_path, monkeypatch):

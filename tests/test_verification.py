@@ -117,6 +117,7 @@ def test_rounds_by_time_replicas_do_what_their_slowest_benchmark_fits_and_still_
     )
     finish(peers)
     assert_swarm_contract(tmp_path, peers, ["a", "b", "c", "d"])
+    assert peers["a"].trainer.verdicts, "no round was judged: nothing below was checked"
     for r, verdict in peers["a"].trainer.verdicts:
         assert not verdict.left_out and len(verdict.agreed) == 2, (r, verdict)
         for group in verdict.agreed:
@@ -340,4 +341,5 @@ def test_two_colluders_never_get_an_honest_peer_struck_and_honest_peers_judge_al
         for r, verdict in trainer.verdicts:
             by_round.setdefault(r, set()).add(verdict.digest())
             assert not any(set(g) & bad and set(g) - bad for g in verdict.agreed), verdict
+    assert by_round, "no round was judged: nothing above was checked"
     assert all(len(digests) == 1 for digests in by_round.values()), by_round

@@ -509,6 +509,11 @@ def test_a_donor_that_dies_mid_transfer_hands_over_a_state_the_checksum_refuses(
     got = newcomer.download_state([dying._averager.peer_id.to_base58()], timeout=20)
     # hivemind either raises (then download_state says None) or hands over a truncated state without error.
     assert got is None or check_state(got[1], got[2], **check) == "checksum mismatch", got and got[1]
+    # ... after the donor died mid-transfer, not for another reason (then the path above was not run).
+    deadline = time.monotonic() + 30
+    while dying._averager.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not dying._averager.is_alive(), "the donor did not die after its first chunk"
     got = newcomer.download_state([good._averager.peer_id.to_base58()], timeout=20)
     assert got is not None and check_state(got[1], got[2], **check) is None
     assert all(torch.equal(a, b) for a, b in zip(got[2], snapshot.params + snapshot.momentum))
