@@ -215,7 +215,9 @@ class LoadedModel:
 
         h = hashlib.sha256()
         for name in sorted(self.params):
-            h.update(self.params[name].contiguous().numpy().tobytes())
+            # As bytes, whatever the dtype (numpy has no bfloat16, and a file may hold any): for float32, the
+            # same bytes as .numpy() gives.
+            h.update(self.params[name].contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
         return h.hexdigest()
 
 

@@ -368,3 +368,16 @@ def test_a_checkpoint_of_the_release_that_hashed_every_field_resumes_after_an_up
     with pytest.raises(checkpoint.CheckpointError, match="different experiment config"):
         checkpoint.load_state(model, old, cfg.training_hash())
     assert checkpoint.load_state(model, old, cfg.resumable_hashes()).round == 1
+
+
+def test_a_model_files_params_hash_takes_any_dtype_and_float32_as_numpy_bytes():
+    # A file may hold bfloat16 (a crafted one, or a future release's): its hash is no traceback.
+    import hashlib
+
+    from p2ptrain.checkpoint import LoadedModel
+
+    params = {"b": torch.randn(5), "a": torch.randn(3, 4)}
+    expected = hashlib.sha256(b"".join(params[n].numpy().tobytes() for n in sorted(params))).hexdigest()
+    assert LoadedModel(config=None, round=0, params=params, metadata={}).params_sha256() == expected
+    half = {n: t.bfloat16() for n, t in params.items()}
+    assert len(LoadedModel(config=None, round=0, params=half, metadata={}).params_sha256()) == 64

@@ -63,14 +63,10 @@ def test_changes_arrive_as_pushes_and_reading_them_costs_no_network(swarm):
     everyone = [first, *others]
     wait_until(lambda: all(sees(b, everyone) for b in everyone), "every peer to see every peer")
 
-    reads_before = first.dht.board("traffic").dht_reads
     taken_before = others[0].dht.board("traffic").pushes_taken
     first.update(state=PeerState.AVERAGING, round=7, params_hash="cd" * 8)
-    polls = 0
 
     def arrived() -> bool:
-        nonlocal polls
-        polls += 1
         return all(
             (r := b.records().get(first.peer_id)) is not None
             and r.round == 7
@@ -79,12 +75,13 @@ def test_changes_arrive_as_pushes_and_reading_them_costs_no_network(swarm):
         )
 
     wait_until(arrived, "the change to reach the others")
+    reads_before = first.dht.board("traffic").dht_reads
     for _ in range(200):  # a barrier's polling: the DHT child's table answers, nobody else is asked
         first.records()
     assert others[0].dht.board("traffic").pushes_taken > taken_before
-    # The DHT may be read a few times meanwhile (a heartbeat's check of views that differ a moment), never
-    # once per reading of the records.
-    assert first.dht.board("traffic").dht_reads - reads_before <= 3 < polls + 200
+    # The DHT is read now and then meanwhile (every record_ttl_s, and a heartbeat's check of views that differ
+    # a moment), however slow the machine: far fewer times than once per reading of the records.
+    assert first.dht.board("traffic").dht_reads - reads_before < 50
 
 
 def test_a_newcomer_is_found_and_a_peer_that_dies_silently_is_gone_after_its_time_to_live(swarm):

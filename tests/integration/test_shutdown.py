@@ -33,7 +33,7 @@ def test_sigterm_and_sigint_stop_a_peer_and_its_children_within_seconds(tmp_path
         descendants = children_of(peer.proc.pid)
         assert descendants & processes_named("p2pd"), "the peer should own a p2pd"
         peer.proc.send_signal(sig)
-        assert peer.wait(20) == 0, peer.tail()
+        assert peer.wait(90) == 0, peer.tail()  # a hang, not a slow machine: saving and stopping take seconds
         assert not wait_until_gone(descendants, timeout_s=10), "DHT child, averager or p2pd outlived the peer"
         errors = [e for e in peer.events() if e.get("level") == "error"]
         assert not errors, errors
