@@ -160,10 +160,10 @@ def own_settings_only(path: Path) -> bool:
     """Whether a config file sets only what is a peer's own (its swarm, device, checkpoint, schedule, log and
     metrics sections, the training sections' own fields such as timeouts and group sizes, and at most
     run.run_id): a volunteer's file, which joins the swarm's experiment."""
-    data = read_config_file(path)
+    data = read_config_file(path)  # every section a mapping (config.read_yaml)
     own = {**OWN_FIELDS, "run": ("run_id",)}
     return all(
-        isinstance(fields or {}, dict) and set(fields or {}) <= set(own.get(section, ()))
+        set(fields) <= set(own.get(section, ()))
         for section, fields in data.items()
         if section in TRAINING_SECTIONS
     )
