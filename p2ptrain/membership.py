@@ -37,6 +37,7 @@ from cryptography.hazmat.primitives import serialization
 from hivemind.proto import crypto_pb2
 from hivemind.utils.auth import AuthorizedRequestBase, AuthorizedResponseBase, AuthorizerBase
 from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
+from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.timed_storage import TimedStorage, get_dht_time
 
 from p2ptrain.addrs import SwarmError
@@ -49,6 +50,32 @@ KEY_BYTES = 32
 _MAX_CLOCK_SKEW_S = 300.0
 """A request signed further from our clock than this is refused (a replay, or a clock that is far off)."""
 _REQUEST, _RESPONSE = b"p2ptrain/dht-request/v1\0", b"p2ptrain/dht-response/v1\0"
+
+
+MAX_TUPLE_DEPTH = 32
+"""The deepest nesting of tuples that a msgpack message from another peer may hold (ours hold a few)."""
+_tuple_depth = threading.local()
+_decode_ext_types = MSGPackSerializer._decode_ext_types.__func__  # type: ignore[attr-defined]
+
+
+def _decode_ext_types_bounded(cls: type, type_code: int, data: bytes) -> object:
+    """hivemind's ``MSGPackSerializer`` decodes a tuple by calling msgpack again on its bytes, once per level,
+    on the C stack: 300 nested tuples (1.4 kB that anyone who can reach a peer may send, in a DHT store, a
+    push, a join request or a state's metadata) crashed the process with SIGSEGV, which nothing catches.
+    Deeper than :data:`MAX_TUPLE_DEPTH` is a ValueError, which the callers refuse like any malformed message."""
+    depth = getattr(_tuple_depth, "depth", 0)
+    if depth >= MAX_TUPLE_DEPTH:
+        raise ValueError(f"a msgpack message nests tuples more than {MAX_TUPLE_DEPTH} deep")
+    _tuple_depth.depth = depth + 1
+    try:
+        return _decode_ext_types(cls, type_code, data)
+    finally:
+        _tuple_depth.depth = depth
+
+
+# Every msgpack message this process and the processes it forks (the DHT, the averager) decode: imported by
+# the records board and the averager alike.
+MSGPackSerializer._decode_ext_types = classmethod(_decode_ext_types_bounded)  # type: ignore[method-assign,assignment]
 
 
 def generate_swarm_key(path: Path) -> None:

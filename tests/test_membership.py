@@ -192,3 +192,31 @@ def test_no_node_stores_a_record_that_asks_to_outlive_the_cap():
         assert cap.validate(DHTRecord(capped, b"s", b"v", now + 590))
         assert not cap.validate(DHTRecord(capped, b"s", b"v", now + 3600))
     assert cap.validate(DHTRecord(other_key, b"s", b"v", now + 3600)), "only records and experiments"
+
+
+def test_a_message_of_deeply_nested_tuples_is_refused_not_a_crash():
+    # hivemind decodes a tuple by calling msgpack again, on the C stack: 300 nested tuples (1.4 kB in a push, a
+    # DHT store, a join or a state's metadata) crashed the process with SIGSEGV. In a child process: a crash
+    # here must not take the test runner down with it.
+    import subprocess
+    import sys
+
+    code = """
+import msgpack
+import p2ptrain.membership  # imported by the board and the averager: the decoder is bounded from here on
+from hivemind.utils.serializer import MSGPackSerializer
+inner = msgpack.packb([1])
+for _ in range(300):
+    inner = msgpack.packb([msgpack.ExtType(0x40, inner)])
+try:
+    MSGPackSerializer.loads(msgpack.packb(msgpack.ExtType(0x40, inner)))
+except ValueError as e:
+    print("refused:", e)
+print(MSGPackSerializer.loads(MSGPackSerializer.dumps({"ok": (1, (2, (3,)))})))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, (out.returncode, out.stderr[-500:])
+    assert out.stdout.splitlines() == [
+        "refused: a msgpack message nests tuples more than 32 deep",
+        "{'ok': (1, (2, (3,)))}",
+    ]
