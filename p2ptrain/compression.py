@@ -18,6 +18,7 @@ Bytes per value: int8 ``1 + 4 / block_size`` (0.254x of fp32 at the default 256)
 from __future__ import annotations
 
 import math
+import re
 import struct
 import warnings
 from collections.abc import Sequence
@@ -146,8 +147,19 @@ class BlockwiseQuantization(CompressionBase):
 _OURS: dict[int, CompressionBase] = {}
 
 
+_PLAIN_DTYPE = re.compile(r"[a-z]+[0-9]*")
+"""A dtype by its plain name (float32, bfloat16): numpy also reads '(50000,)f4' as one value of 50,000 floats,
+and hivemind's decoders hand the sender's dtype string to numpy before any shape is checked."""
+
+
 def deserialize(serialized: runtime_pb2.Tensor) -> torch.Tensor:
-    """Decode a tensor part of any wire format: ours (int8/int4 blockwise) or hivemind's."""
+    """Decode a tensor part of any wire format: ours (int8/int4 blockwise) or hivemind's.
+
+    Raises:
+        ValueError: a dtype that is no plain name (a part that would decode to many times its size).
+    """
+    if not _PLAIN_DTYPE.fullmatch(serialized.dtype):
+        raise ValueError(f"dtype {serialized.dtype[:40]!r} is not a plain dtype's name")
     codec = _OURS.get(serialized.compression)
     if codec is None:
         return deserialize_torch_tensor(serialized)

@@ -94,6 +94,16 @@ def test_deserialize_handles_hivemind_formats_too():
     assert torch.equal(deserialize(NoCompression().compress(x, CompressionInfo.from_tensor(x))), x)
 
 
+def test_a_part_whose_dtype_is_no_plain_name_is_refused_before_it_decodes():
+    # numpy reads '(50000,)f4' as one value of 50,000 floats: an 8 KiB fp16 part would decode to 1.6 GB.
+    part = Float16Compression().compress(torch.ones(4096), CompressionInfo.from_tensor(torch.ones(4096)))
+    assert deserialize(part).shape == (4096,)
+    for dtype in ("(50000,)f4", "float32,float32", "<f4", ""):
+        part.dtype = dtype
+        with pytest.raises(ValueError, match="is not a plain dtype's name"):
+            deserialize(part)
+
+
 @pytest.mark.parametrize("name", ["int8", "int4"])
 def test_requantizing_across_hivemind_parts_is_lossless(name):
     """Error feedback sends values already on the grid; hivemind's part split must not move the blocks."""
