@@ -297,11 +297,12 @@ def config_for(experiment: Experiment, overrides: dict[str, Any] | None = None) 
         "idx": ("MNIST's IDX files", "DIR"),
         "images": ("a folder of images", "DIR"),
     }
-    if data.get("source") in wanted and not (overrides.get("data") or {}).get("path"):
-        what, flag = wanted[data["source"]]
+    source = data.get("source")  # a stranger's value: checked by the config below, compared as a string here
+    if isinstance(source, str) and source in wanted and not (overrides.get("data") or {}).get("path"):
+        what, flag = wanted[source]
         raise ConfigError(
             f"the swarm's experiment {experiment.run_id} trains on {what} (sha256 "
-            f"{experiment.sections['data'].get('sha256', '?')[:12]}): give your copy of it with "
+            f"{str(experiment.sections['data'].get('sha256', '?'))[:12]}): give your copy of it with "
             f"--set data.path={flag}"
         )
     try:

@@ -144,6 +144,17 @@ def test_a_config_that_differs_is_refused_naming_every_field(keys):
     assert "exp-test" in message
 
 
+def test_a_published_experiment_with_values_of_the_wrong_kind_is_one_line_never_a_traceback(keys):
+    ours = verified(sign(cfg_of(), keys[0]))
+    assert ours is not None
+    for data in ({"source": ["text"]}, {"source": "text", "sha256": 5}, {"source": {"x": 1}}):
+        sections = {**ours.sections, "data": {**ours.sections["data"], **data}}
+        crafted = dataclasses.replace(ours, sections=sections, digest=digest(sections))
+        with pytest.raises(ConfigError) as refused:
+            config_for(crafted)
+        assert "\n" not in str(refused.value), data
+
+
 def test_releases_mix_a_field_left_out_is_its_default_and_a_newer_ones_field_is_named(keys):
     cfg = cfg_of()
     ours = verified(sign(cfg, keys[0]))
