@@ -282,8 +282,8 @@ def _embedded_config(path: Path, text: str | None, data_path: Path | None = None
         raise CheckpointError(f"{path}: its embedded config is not valid JSON ({type(e).__name__})") from None
     if not isinstance(data, dict):
         raise CheckpointError(f"{path}: its embedded config is not a mapping of sections")
-    if data_path is not None:
-        data = {**data, "data": {**(data.get("data") or {}), "path": str(data_path)}}
+    if data_path is not None and isinstance(data.get("data", {}), dict):  # any other: refused just below
+        data = {**data, "data": {**data.get("data", {}), "path": str(data_path)}}
     # Every field left out is the default (config.TRAINING_SECTIONS), never the reader's environment
     # (P2PTRAIN_* variables would fill the gaps of a settings model): the defaults go in first.
     try:

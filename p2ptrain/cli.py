@@ -613,7 +613,7 @@ def eval_(
         except (CheckpointError, OSError) as e:
             raise fail(str(e), EXIT_RUNTIME) from None
         except ValueError as e:  # its data here (data.path: missing, too small) cannot be evaluated on
-            raise fail(f"{path}: {str(e).splitlines()[0]}", EXIT_USAGE) from None
+            raise fail(f"{path}: {str(e).splitlines()[0]}", EXIT_RUNTIME) from None
         cfg = loaded.config
         result = {"checkpoint": str(path), "round": loaded.round, "run_id": cfg.run.run_id, **metrics}
         peer = loaded.metadata.get("peer_id", "")[-8:] or path.resolve().parent.name or path.stem
@@ -758,10 +758,25 @@ def config_reference() -> None:
     typer.echo(reference_markdown())
 
 
+def _usage_errors() -> tuple[type[Exception], ...]:
+    """click's usage errors: recent typer releases vendor click (their base is typer.TyperException), older
+    ones use click's own."""
+    kinds: list[type[Exception]] = []
+    if (vendored := getattr(typer, "TyperException", None)) is not None:
+        kinds.append(vendored)
+    try:
+        import click
+
+        kinds.append(click.ClickException)
+    except ImportError:
+        pass
+    return tuple(kinds)
+
+
 def main() -> None:
     try:
         code = app(standalone_mode=False)
-    except typer.TyperException as e:  # click's usage errors (typer vendors click)
+    except _usage_errors() as e:
         if type(e).__name__ == "NoArgsIsHelpError":  # a command without its arguments: its help is printed
             raise SystemExit(getattr(e, "exit_code", EXIT_USAGE)) from None
         # A bad flag or argument is one line, as every other error here, not a box of usage and help.

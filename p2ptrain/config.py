@@ -54,7 +54,7 @@ class RunConfig(_Section):
     run_id: str = "p2ptrain-default"
     """Name of the training run. Peers train together only if their run_id matches; every DHT key lives
     under it. Letters, digits, '-' and '_' only."""
-    seed: int = Field(default=0, ge=0, lt=1 << 63)
+    seed: int = Field(default=0, ge=-(1 << 63), lt=1 << 63)
     """Seed for model initialization and data order. Every peer of a run must use the same seed."""
 
     @field_validator("run_id")
@@ -867,9 +867,10 @@ class _StrictLoader(yaml.SafeLoader):
 
 
 def _mapping_without_duplicates(loader: _StrictLoader, node: yaml.MappingNode) -> dict[Any, Any]:
-    loader.flatten_mapping(node)  # merge keys (<<) first, as safe_load does
     seen: set[Any] = set()
-    for key_node, _ in node.value:
+    for key_node, _ in node.value:  # before merge keys (<<) are flattened in: a key may override a merged one
+        if key_node.tag == "tag:yaml.org,2002:merge":
+            continue
         key = loader.construct_object(key_node, deep=True)
         try:
             twice = key in seen
@@ -1159,8 +1160,8 @@ def reference_markdown() -> str:
         "Precedence, highest first: command-line flags and `--set section.key=value`; environment variables",
         "`P2PTRAIN_<SECTION>__<KEY>` (for example `P2PTRAIN_INNER__LR=3e-4`); the YAML file; the defaults below.",
         "Unknown keys are errors, and so is a `P2PTRAIN_<SECTION>__<KEY>` variable of no section, or one that joins",
-        "a section and its key with one underscore (`P2PTRAIN_INNER_LR`); other `P2PTRAIN_` names are not read.",
-        "A list set by a variable is JSON:",
+        "a section and its key with one underscore (`P2PTRAIN_INNER_LR`). `P2PTRAIN_<SECTION>` sets a whole section",
+        "as JSON; other `P2PTRAIN_` names are not read. A list set by a variable is JSON:",
         "`P2PTRAIN_SWARM__INITIAL_PEERS='[\"/ip4/203.0.113.5/tcp/31337/p2p/12D3Koo...\"]'`.",
         "",
     ]

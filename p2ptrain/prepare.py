@@ -345,12 +345,21 @@ class Tokenizer:
             return bytes(ids).decode("utf-8", errors="replace")
         return self._bpe.decode(ids)
 
+    @functools.cached_property
+    def _separator(self) -> np.ndarray:
+        if self.end_of_text is not None:
+            return np.asarray([self.end_of_text], dtype=np.int64)
+        newline = self.encode_batch(["\n"])[0].astype(np.int64)
+        if not len(newline):
+            raise PrepareError(
+                f"the tokenizer has no {END_OF_TEXT} and encodes a newline to nothing: documents would run together"
+            )
+        return newline
+
     def separator(self) -> np.ndarray:
         """What joins two documents: the end-of-text token, or a newline (a byte, or as a tokenizer.json without
         that token encodes it: its id 10 is some other token)."""
-        if self.end_of_text is not None:
-            return np.asarray([self.end_of_text], dtype=np.int64)
-        return self.encode_batch(["\n"])[0].astype(np.int64)
+        return self._separator
 
     def to_json(self) -> str | None:
         return None if self._bpe is None else self._bpe.to_str()

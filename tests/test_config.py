@@ -112,9 +112,9 @@ def test_a_config_file_that_is_no_config_is_one_line_never_a_traceback_or_a_hang
         load_config(Path("/dev/zero"))  # endless: read no further than a config can be
     with pytest.raises(ConfigError, match=r"cannot read config file .*: Is a directory"):
         load_config(tmp_path)
-    # What stays allowed: a byte-order mark, an empty section, YAML's merge keys.
-    path.write_bytes("\ufeffinner: {lr: 0.1}\nswarm:\nmodel: &m {name: gpt-micro}\n".encode())
-    assert load_config(path).inner.lr == 0.1
+    # What stays allowed: a byte-order mark, an empty section, YAML's merge keys and a key that overrides one.
+    path.write_bytes("\ufeffinner: {<<: {lr: 0.1, batch_size: 8}, lr: 0.2}\nswarm:\n".encode())
+    assert (load_config(path).inner.lr, load_config(path).inner.batch_size) == (0.2, 8)
 
 
 def test_values_nested_too_deeply_or_too_large_are_one_line(monkeypatch):
@@ -132,11 +132,12 @@ def test_values_nested_too_deeply_or_too_large_are_one_line(monkeypatch):
     monkeypatch.setenv("P2PTRAIN_INNER", '{"lr": 0.5}')
     assert load_config(None).inner.lr == 0.5
     monkeypatch.delenv("P2PTRAIN_INNER")
-    for field, value in [("inner.batch_size", 10**20), ("run.seed", 2**63), ("run.seed", -1)]:
+    for field, value in [("inner.batch_size", 10**20), ("run.seed", 2**63), ("run.seed", -(2**63) - 1)]:
         section, key = field.split(".")
         with pytest.raises(ConfigError, match=rf"^command line: {field}: "):
             load_config(None, {section: {key: value}})
     assert load_config(None, {"run": {"seed": 2**63 - 1}}).run.seed == 2**63 - 1
+    assert load_config(None, {"run": {"seed": -1}}).run.seed == -1  # as before: any int64
 
 
 def test_missing_file(tmp_path):
