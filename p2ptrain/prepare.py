@@ -22,6 +22,7 @@ newline (bytes).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import glob
 import hashlib
@@ -443,8 +444,27 @@ class Manifest:
 
     def write(self, folder: Path) -> None:
         tmp = folder / (MANIFEST + ".tmp")
-        tmp.write_text(json.dumps(asdict(self), indent=2) + "\n")
+        _write_synced(tmp, json.dumps(asdict(self), indent=2) + "\n")
         os.replace(tmp, folder / MANIFEST)
+        _sync_folder(folder)
+
+
+def _write_synced(path: Path, text: str) -> None:
+    """Write ``path`` and fsync it: on disk before anything that names it is (a manifest, its shards)."""
+    with path.open("w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _sync_folder(folder: Path) -> None:
+    """fsync a folder, so that the renames into it survive a power loss (where the system allows it)."""
+    with contextlib.suppress(OSError):
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 # ------------------------------------------------------------------------------------------ preparing
@@ -489,7 +509,7 @@ def prepare(
     count = text_tokens = 0
     try:
         if tokenizer_json is not None:
-            (staging / TOKENIZER_FILE).write_text(tokenizer_json)
+            _write_synced(staging / TOKENIZER_FILE, tokenizer_json)
         for batch in _batches(sources, text_field, progress):
             for ids, (_, ends_document) in zip(tok.encode_batch([text for text, _ in batch]), batch):
                 writer.write(ids)
@@ -526,6 +546,7 @@ def prepare(
     for made in staging.iterdir():
         os.replace(made, out / made.name)
     staging.rmdir()
+    _sync_folder(out)
     manifest.write(out)
     return manifest
 
@@ -584,14 +605,20 @@ class _ShardWriter:
             data = data[take:]
 
     def _next(self) -> None:
-        if self._file is not None:
-            self._file.close()
+        self._close()
         name = f"tokens-{len(self.shards):05d}.bin"
         self._file = (self.folder / name).open("wb")
         self._in_file = 0
         self.shards.append({"file": name, "tokens": 0})
 
-    def close(self) -> list[dict[str, Any]]:
-        if self._file is not None:
+    def _close(self) -> None:
+        # A shard is on disk before the manifest that names it (a power loss would leave one of the right size,
+        # full of zeros, that the manifest's size check passes).
+        if self._file is not None and not self._file.closed:
+            self._file.flush()
+            os.fsync(self._file.fileno())
             self._file.close()
+
+    def close(self) -> list[dict[str, Any]]:
+        self._close()
         return self.shards
