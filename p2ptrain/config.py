@@ -521,9 +521,14 @@ def parse_hours(hours: str) -> tuple[datetime.time, datetime.time]:
     if not sep:
         raise ValueError("expected 'HH:MM-HH:MM'")
     try:
-        return datetime.time.fromisoformat(start.strip()), datetime.time.fromisoformat(end.strip())
+        times = datetime.time.fromisoformat(start.strip()), datetime.time.fromisoformat(end.strip())
     except ValueError:
         raise ValueError("expected 'HH:MM-HH:MM' (24-hour local times)") from None
+    if any(t.tzinfo is not None for t in times):  # compared with the local clock, which has none
+        raise ValueError("expected local times, without a time zone ('07:00-22:00')")
+    if times[0] == times[1]:
+        raise ValueError("the window starts and ends at the same time: it would never be open")
+    return times
 
 
 class ScheduleConfig(_Section):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import gzip
 import hashlib
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -199,7 +200,17 @@ def read_idx(path: Path) -> np.ndarray:
     Raises:
         ValueError: not an IDX file of unsigned bytes, or shorter than its header says.
     """
-    raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise ValueError(f"data.path: {path} cannot be read ({e.strerror or e})") from None
+    if path.suffix == ".gz":
+        try:
+            raw = gzip.decompress(raw)
+        except (OSError, EOFError, zlib.error) as e:  # not gzip, truncated, or corrupt
+            raise ValueError(
+                f"data.path: {path} is not a whole gzip file ({e or type(e).__name__})"
+            ) from None
     if len(raw) < 4 or raw[0] != 0 or raw[1] != 0:
         raise ValueError(f"data.path: {path} is not an IDX file (it does not start with two zero bytes)")
     if raw[2] != 0x08:
@@ -255,8 +266,18 @@ def read_idx_folder(
             raise ValueError(
                 f"data.path: {images_path} has {len(images)} images but {labels_path} {len(labels)} labels"
             )
+        if not len(images):
+            raise ValueError(f"data.path: {images_path} holds no images")
+        if split == "test" and images.shape[1:] != splits["train"][0].shape[2:]:
+            h, w = splits["train"][0].shape[2:]
+            raise ValueError(
+                f"data.path: {images_path} holds {images.shape[1]}x{images.shape[2]} images; the training "
+                f"images are {h}x{w}"
+            )
         splits[split] = images[:, None], labels.astype(np.int64)
     num_classes = int(max(int(y.max()) for _, y in splits.values())) + 1
+    if num_classes < 2:
+        raise ValueError(f"data.path: {root}'s labels name one class: a classifier needs two or more")
     return splits["train"], splits.get("test"), [str(c) for c in range(num_classes)]
 
 
@@ -299,6 +320,10 @@ def read_image_folder(
                 f"data.path: {sets[split]} has images outside class folders: put each class in a folder of its own"
             )
     classes = sorted({name for name, _ in files["train"]})
+    if len(classes) < 2:
+        raise ValueError(
+            f"data.path: {sets['train']} has one class folder ({classes[0]}): a classifier needs two or more"
+        )
     if has_splits:
         unknown = sorted({name for name, _ in files["test"]} - set(classes))
         if unknown:
@@ -308,10 +333,16 @@ def read_image_folder(
         opened[split] = []
         for name, path in found:
             try:
-                image: Image.Image = Image.open(path)
-                image.load()
-            except (OSError, UnidentifiedImageError) as e:
+                with Image.open(
+                    path
+                ) as file:  # closed at once: GIFs kept theirs open past the open-file limit
+                    image: Image.Image = file.copy()
+            except (OSError, UnidentifiedImageError, Image.DecompressionBombError) as e:
                 raise ValueError(f"data.path: {path} is not an image that opens ({e})") from None
+            if image.mode not in _EIGHT_BIT_MODES:
+                raise ValueError(
+                    f"data.path: {path} is a {image.mode} image; images of 8 bits a channel are read (convert it)"
+                )
             opened[split].append((classes.index(name), image))
     grey = all(im.mode in ("L", "1", "P") and _is_grey(im) for ims in opened.values() for _, im in ims)
     mode = "L" if grey else "RGB"
@@ -328,6 +359,11 @@ def read_image_folder(
             pixels.append(a[None] if a.ndim == 2 else a.transpose(2, 0, 1))
         arrays[split] = np.stack(pixels), np.array([label for label, _ in labelled], dtype=np.int64)
     return arrays["train"], arrays.get("test"), classes
+
+
+_EIGHT_BIT_MODES = ("1", "L", "P", "LA", "PA", "RGB", "RGBA", "RGBX", "CMYK", "YCbCr", "LAB", "HSV")
+"""Pillow's modes of at most 8 bits a channel: a 16-bit or float image (I;16, I, F) would be clipped to
+black and white by the conversion to RGB."""
 
 
 def _is_grey(image) -> bool:

@@ -112,7 +112,8 @@ class Machine:
 
     def _busy_and_total(self) -> tuple[float, float]:
         t = self._psutil.cpu_times()
-        total = sum(t)
+        # Linux counts guest time in user and nice too (psutil's own total subtracts it, as here).
+        total = sum(t) - getattr(t, "guest", 0.0) - getattr(t, "guest_nice", 0.0)
         idle = t.idle + getattr(t, "iowait", 0.0)
         return total - idle, total
 

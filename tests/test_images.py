@@ -95,6 +95,45 @@ def test_malformed_idx_files_are_refused_naming_the_file(tmp_path):
         open_corpus(DataConfig(source="idx", path=folder), 64, 0.25)
 
 
+def test_idx_files_that_are_broken_gzip_empty_one_class_or_of_two_sizes_are_refused_naming_the_file(tmp_path):
+    def refused(folder, says):
+        with pytest.raises(ValueError, match=says) as e:
+            open_corpus(DataConfig(source="idx", path=folder), 64, 0.25)
+        assert "\n" not in str(e.value)
+
+    folder = mnist_like(tmp_path / "gz", gz=True)
+    images = folder / "train-images-idx3-ubyte.gz"
+    whole = images.read_bytes()
+    images.write_bytes(whole[: len(whole) // 2])  # truncated
+    refused(folder, r"train-images-idx3-ubyte.gz is not a whole gzip file")
+    images.write_bytes(b"plain bytes under a .gz name")
+    refused(folder, r"train-images-idx3-ubyte.gz is not a whole gzip file")
+    folder = mnist_like(tmp_path / "empty")
+    write_idx(folder / "t10k-images-idx3-ubyte", np.zeros((0, 12, 12)))
+    write_idx(folder / "t10k-labels-idx1-ubyte", np.zeros((0,)))
+    refused(folder, r"t10k-images-idx3-ubyte holds no images")
+    folder = mnist_like(tmp_path / "sizes")
+    write_idx(folder / "t10k-images-idx3-ubyte", np.zeros((12, 16, 16)))  # the training images are 12x12
+    refused(folder, r"t10k-images-idx3-ubyte holds 16x16 images; the training images are 12x12")
+    folder = mnist_like(tmp_path / "one", test=False)
+    write_idx(folder / "train-labels-idx1-ubyte", np.zeros((40,)))
+    refused(folder, r"labels name one class: a classifier needs two or more")
+
+
+def test_image_folders_of_one_class_or_16_bit_images_are_refused(tmp_path):
+    from PIL import Image
+
+    for i in range(3):
+        _png(tmp_path / "one" / "cat" / f"{i}.png", np.zeros((8, 8)))
+    with pytest.raises(ValueError, match=r"has one class folder \(cat\): a classifier needs two or more"):
+        open_corpus(DataConfig(source="images", path=tmp_path / "one"), 64, 0.1)
+    for name in ("cat", "dog"):
+        (tmp_path / "deep" / name).mkdir(parents=True)
+        Image.fromarray(np.full((8, 8), 63000, dtype=np.uint16)).save(tmp_path / "deep" / name / "0.png")
+    with pytest.raises(ValueError, match=r"0.png is a I;16 image; images of 8 bits a channel are read"):
+        open_corpus(DataConfig(source="images", path=tmp_path / "deep"), 64, 0.1)
+
+
 def _png(path, pixels: np.ndarray) -> None:
     from PIL import Image
 
@@ -126,6 +165,7 @@ def test_a_folder_of_mixed_sizes_or_broken_files_is_refused_naming_the_file(tmp_
     _png(tmp_path / "a" / "y" / "1.png", np.zeros((9, 8)))
     with pytest.raises(ValueError, match=r"1.png is 8x9; the others are 8x8"):
         open_corpus(DataConfig(source="images", path=tmp_path / "a"), 64, 0.1)
+    _png(tmp_path / "b" / "y" / "1.png", np.zeros((8, 8)))
     (tmp_path / "b" / "x").mkdir(parents=True)
     (tmp_path / "b" / "x" / "0.png").write_bytes(b"garbage")
     with pytest.raises(ValueError, match=r"0.png is not an image that opens"):

@@ -44,6 +44,14 @@ def test_each_reason_to_pause_is_named():
 def test_a_bad_window_is_refused_naming_the_field():
     with pytest.raises(ConfigError, match=r"schedule\.hours: .*HH:MM-HH:MM"):
         load_config(None, {"schedule": {"hours": "22-7"}})
+    # Windows that passed and then paused the peer for ever, or failed mid-run comparing with the local clock.
+    for hours, says in [
+        ("07:00-07:00", "starts and ends at the same time"),
+        ("07:00Z-22:00Z", "without a time zone"),
+        ("07:00+01:00-22:00", "without a time zone"),
+    ]:
+        with pytest.raises(ConfigError, match=rf"schedule\.hours: .*{says}"):
+            load_config(None, {"schedule": {"hours": hours}})
 
 
 class FakeMachine:
@@ -84,7 +92,7 @@ def test_the_machine_reads_other_processes_cpu_without_our_own():
 
     import psutil
 
-    Times = collections.namedtuple("Times", "user system idle iowait")
+    Times = collections.namedtuple("Times", "user system idle iowait guest", defaults=[0.0])
 
     class Proc:
         def __init__(self, pid, cpu_s, kids=()):
@@ -120,6 +128,10 @@ def test_the_machine_reads_other_processes_cpu_without_our_own():
     machine_s[0] = Times(user=2.2, system=0.3, idle=1.4, iowait=0.1)
     me.cpu_s, child.cpu_s = 1.6, None
     assert machine.read().other_cpu == pytest.approx(0.0)
+    # Then a VM ran 0.5 s: Linux counts guest time in user as well, once is enough (0.5 of the 1.0 s left free).
+    machine_s[0] = Times(user=3.7, system=0.3, idle=1.9, iowait=0.1, guest=0.5)
+    me.cpu_s = 2.6
+    assert machine.read().other_cpu == pytest.approx(0.5)
 
 
 def test_a_paused_peer_costs_the_others_no_wait_and_rejoins_on_its_own(tmp_path, monkeypatch):
