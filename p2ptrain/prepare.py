@@ -521,7 +521,7 @@ def prepare(
         if text_tokens == 0:  # separators alone (empty files) are no corpus
             raise PrepareError("the sources hold no text")
     except BaseException:
-        writer.close()
+        writer.abandon()
         shutil.rmtree(staging, ignore_errors=True)
         raise
     manifest = Manifest(
@@ -622,3 +622,9 @@ class _ShardWriter:
     def close(self) -> list[dict[str, Any]]:
         self._close()
         return self.shards
+
+    def abandon(self) -> None:
+        """Close without syncing (the shards are thrown away, and a full disk would only fail again)."""
+        if self._file is not None:
+            with contextlib.suppress(OSError):
+                self._file.close()

@@ -47,7 +47,6 @@ def test_a_bad_window_is_refused_naming_the_field():
     # Windows that passed and then paused the peer for ever, or failed mid-run comparing with the local clock.
     for hours, says in [
         ("07:00-07:00", "starts and ends at the same time"),
-        ("07:00Z-22:00Z", "without a time zone"),
         ("07:00+01:00-22:00", "without a time zone"),
     ]:
         with pytest.raises(ConfigError, match=rf"schedule\.hours: .*{says}"):
