@@ -34,7 +34,7 @@ from p2ptrain.config import (
     load_config,
     training_defaults,
 )
-from p2ptrain.diloco import DiLoCo, tensors_hash
+from p2ptrain.diloco import DiLoCo, tensor_bytes, tensors_hash
 
 FORMAT = "p2ptrain/1"
 MOMENTUM_PREFIX = "outer_momentum."
@@ -215,9 +215,7 @@ class LoadedModel:
 
         h = hashlib.sha256()
         for name in sorted(self.params):
-            # As bytes, whatever the dtype (numpy has no bfloat16, and a file may hold any): for float32, the
-            # same bytes as .numpy() gives.
-            h.update(self.params[name].contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+            h.update(tensor_bytes(self.params[name]))
         return h.hexdigest()
 
 

@@ -400,10 +400,14 @@ def misfit(what: str, tensors: Sequence[torch.Tensor], like: Sequence[torch.Tens
     return None
 
 
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """A tensor's bytes, whatever its dtype (numpy has no bfloat16, and a file may hold any)."""
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data
+
+
 def tensors_hash(tensors: Sequence[torch.Tensor]) -> str:
     """A short, exact fingerprint of tensors' bytes (equal hashes: bit-identical params)."""
     h = hashlib.sha256()
     for t in tensors:
-        # As bytes, whatever the dtype (numpy has no bfloat16): a file may hold any.
-        h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
+        h.update(tensor_bytes(t))
     return h.hexdigest()[:16]

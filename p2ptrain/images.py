@@ -333,9 +333,8 @@ def read_image_folder(
         opened[split] = []
         for name, path in found:
             try:
-                with Image.open(
-                    path
-                ) as file:  # closed at once: GIFs kept theirs open past the open-file limit
+                # Closed at once: GIFs kept theirs open past the open-file limit.
+                with Image.open(path) as file:
                     image: Image.Image = file.copy()
             except (OSError, UnidentifiedImageError, Image.DecompressionBombError) as e:
                 raise ValueError(f"data.path: {path} is not an image that opens ({e})") from None

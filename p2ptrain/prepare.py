@@ -347,7 +347,9 @@ class Tokenizer:
         return self._bpe.decode(ids)
 
     @functools.cached_property
-    def _separator(self) -> np.ndarray:
+    def separator(self) -> np.ndarray:
+        """What joins two documents: the end-of-text token, or a newline (a byte, or as a tokenizer.json without
+        that token encodes it: its id 10 is some other token)."""
         if self.end_of_text is not None:
             return np.asarray([self.end_of_text], dtype=np.int64)
         newline = self.encode_batch(["\n"])[0].astype(np.int64)
@@ -356,11 +358,6 @@ class Tokenizer:
                 f"the tokenizer has no {END_OF_TEXT} and encodes a newline to nothing: documents would run together"
             )
         return newline
-
-    def separator(self) -> np.ndarray:
-        """What joins two documents: the end-of-text token, or a newline (a byte, or as a tokenizer.json without
-        that token encodes it: its id 10 is some other token)."""
-        return self._separator
 
     def to_json(self) -> str | None:
         return None if self._bpe is None else self._bpe.to_str()
@@ -515,7 +512,7 @@ def prepare(
                 writer.write(ids)
                 text_tokens += len(ids)
                 if ends_document:
-                    writer.write(tok.separator())
+                    writer.write(tok.separator)
                     count += 1
         shards = writer.close()
         if text_tokens == 0:  # separators alone (empty files) are no corpus
