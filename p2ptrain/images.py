@@ -4,8 +4,9 @@ folder of images sorted into one subfolder per class.
 Images are small, so a set is read into memory once as uint8 pixels (60,000 MNIST digits: 47 MB) and
 normalized a batch at a time. Its three splits are fixed by the data alone, never by the run, so that test
 accuracy means the same in every run: the data's own test split where it has one (MNIST's t10k files, a
-folder's ``test/``), else the last ``TEST_FRACTION`` of a fixed shuffle of the images; validation is the end
-of what is left for training, in the same shuffle (``data.val_fraction``).
+folder's ``test/``), else the last ``TEST_FRACTION`` of a fixed shuffle of the images; validation is the
+data's own where it has one (a folder's ``val/``), else the end of what is left for training, in the same
+shuffle (``data.val_fraction``).
 
 An ``ImageSet`` answers the trainer as a text ``Corpus`` does (``data.py``, which opens either): the same
 seeded shards of example indices per round and rank (``shards.py``), batches that cycle through a shard,
@@ -65,21 +66,25 @@ class ImageSet:
         classes: list[str],
         val_fraction: float,
         max_value: float = 255.0,
+        val: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> ImageSet:
-        """Split labelled images (x: (N, C, H, W) uint8, y: (N,) ints) into train, validation and test.
+        """Split labelled images (x: (N, C, H, W) uint8, y: (N,) ints) into train, validation and test: the
+        data's own ``test`` and ``val`` splits where given, else carved from ``train``.
 
         Raises:
             ValueError: too few images for the splits.
         """
-        x, y = train
         # Shuffled first, by a fixed seed: a folder's files come sorted by class, and a split cut from the
-        # end of them would hold one class only.
-        order = np.random.default_rng(SPLIT_SEED).permutation(len(x))
-        x, y = x[order], y[order]
+        # end of them would hold one class only (a validation split of its own too: evaluation reads its
+        # first data.val_batches).
+        x, y = _shuffled(train)
         if test is None:
             n_test = max(1, int(len(x) * TEST_FRACTION))
             test, (x, y) = (x[-n_test:], y[-n_test:]), (x[:-n_test], y[:-n_test])
-        n_val = max(1, int(len(x) * val_fraction))
+        if val is not None:  # the end of x is validation
+            val_x, val_y = _shuffled(val)
+            x, y = np.concatenate([x, val_x]), np.concatenate([y, val_y])
+        n_val = max(1, int(len(x) * val_fraction)) if val is None else len(val[0])
         if len(x) - n_val < 2:
             raise ValueError(f"{len(x)} training images are too few for data.val_fraction {val_fraction}")
         scaled = torch.from_numpy(x[:-n_val]).float() / max_value
@@ -145,6 +150,12 @@ class ImageSet:
             yield self.normalize(self.test_x[i : i + batch_size]), self.test_y[i : i + batch_size]
 
 
+def _shuffled(split: tuple[np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    x, y = split
+    order = np.random.default_rng(SPLIT_SEED).permutation(len(x))
+    return x[order], y[order]
+
+
 def open_images(source: str, path: Path | None, val_fraction: float) -> ImageSet:
     """The image set of ``data.source`` (digits, idx or images) and ``data.path``.
 
@@ -157,9 +168,9 @@ def open_images(source: str, path: Path | None, val_fraction: float) -> ImageSet
     assert path is not None  # enforced by DataConfig
     if source == "idx":
         train, test, classes = read_idx_folder(Path(path))
-    else:
-        train, test, classes = read_image_folder(Path(path))
-    return ImageSet.split(train, test, classes, val_fraction)
+        return ImageSet.split(train, test, classes, val_fraction)
+    splits, classes = read_image_folder(Path(path))
+    return ImageSet.split(splits["train"], splits.get("test"), classes, val_fraction, val=splits.get("val"))
 
 
 def images_digest(source: str, path: Path | None) -> str:
@@ -295,20 +306,45 @@ def _folder_files(root: Path) -> list[tuple[str, Path]]:
     )
 
 
-def read_image_folder(
-    root: Path,
-) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray] | None, list[str]]:
-    """``root/CLASS/*.png`` (test split carved out), or ``root/train/CLASS/*`` with ``root/test/CLASS/*``.
-    All images must have one size; they are read as greyscale when all are, else as RGB.
+VAL_FOLDERS = ("val", "valid", "validation")
+"""The names a folder's own validation split goes by (beside ``train/``)."""
+
+
+def image_folder_splits(root: Path) -> dict[str, Path]:
+    """The folder of each split a folder of images has: ``root`` itself as ``train`` (the others carved from
+    it), or ``root/train/`` with ``root/test/`` and a validation folder (one of :data:`VAL_FOLDERS`) where
+    it has them (each missing one carved from ``train/``).
 
     Raises:
-        ValueError: no images, an image that does not open or has another size, or a test class that the
-            training split lacks.
+        ValueError: two validation folders.
+    """
+    if not (root / "train").is_dir():
+        return {"train": root}
+    sets = {"train": root / "train"}
+    if (root / "test").is_dir():
+        sets["test"] = root / "test"
+    vals = [root / name for name in VAL_FOLDERS if (root / name).is_dir()]
+    if len(vals) > 1:
+        raise ValueError(
+            f"data.path: {root} has {' and '.join(v.name + '/' for v in vals)}: keep one validation split"
+        )
+    if vals:
+        sets["val"] = vals[0]
+    return sets
+
+
+def read_image_folder(root: Path) -> tuple[dict[str, tuple[np.ndarray, np.ndarray]], list[str]]:
+    """The labelled images of each of :func:`image_folder_splits` (``root/CLASS/*.png``, or
+    ``root/train/CLASS/*`` with ``root/test/CLASS/*`` and ``root/val/CLASS/*`` where they are), and the class
+    names. All images must have one size; they are read as greyscale when all are, else as RGB.
+
+    Raises:
+        ValueError: no images, an image that does not open or has another size, or a test or validation
+            class that the training split lacks.
     """
     from PIL import Image, UnidentifiedImageError
 
-    has_splits = (root / "train").is_dir() and (root / "test").is_dir()
-    sets = {"train": root / "train", "test": root / "test"} if has_splits else {"train": root}
+    sets = image_folder_splits(root)
     files = {split: _folder_files(folder) for split, folder in sets.items()}
     for split, found in files.items():
         if not found:
@@ -324,10 +360,10 @@ def read_image_folder(
         raise ValueError(
             f"data.path: {sets['train']} has one class folder ({classes[0]}): a classifier needs two or more"
         )
-    if has_splits:
-        unknown = sorted({name for name, _ in files["test"]} - set(classes))
+    for split in sets.keys() - {"train"}:
+        unknown = sorted({name for name, _ in files[split]} - set(classes))
         if unknown:
-            raise ValueError(f"data.path: {root / 'test'} has classes the training split lacks: {unknown}")
+            raise ValueError(f"data.path: {sets[split]} has classes the training split lacks: {unknown}")
     opened: dict[str, list[tuple[int, Image.Image]]] = {}
     for split, found in files.items():
         opened[split] = []
@@ -357,7 +393,7 @@ def read_image_folder(
             a = np.asarray(image.convert(mode), dtype=np.uint8)
             pixels.append(a[None] if a.ndim == 2 else a.transpose(2, 0, 1))
         arrays[split] = np.stack(pixels), np.array([label for label, _ in labelled], dtype=np.int64)
-    return arrays["train"], arrays.get("test"), classes
+    return arrays, classes
 
 
 _EIGHT_BIT_MODES = ("1", "L", "P", "LA", "PA", "RGB", "RGBA", "RGBX", "CMYK", "YCbCr", "LAB", "HSV")

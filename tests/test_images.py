@@ -199,3 +199,29 @@ def test_a_model_that_does_not_fit_the_data_is_refused_in_one_line():
         load_config(None, {"model": {"name": "cnn-small"}})
     with pytest.raises(ConfigError, match=r"data.path is required when data.source is 'idx'"):
         load_config(None, {"data": {"source": "idx"}, "model": {"name": "cnn-small"}})
+
+
+def test_a_folder_with_its_own_validation_split_keeps_it_as_validation(tmp_path):
+    """train/ beside val/ (and test/ or not) is three or two splits of two classes, not four classes."""
+    rng = np.random.default_rng(2)
+    for name in ("cat", "dog"):
+        for i in range(12):
+            split = "train" if i < 8 else "val" if i < 10 else "test"
+            _png(tmp_path / "both" / split / name / f"{i}.png", rng.integers(0, 255, (6, 5)))
+            if split != "test":
+                _png(tmp_path / "val-only" / split / name / f"{i}.png", rng.integers(0, 255, (6, 5)))
+    both = open_corpus(DataConfig(source="images", path=tmp_path / "both"), 64, 0.25)
+    assert both.classes == ["cat", "dog"]
+    assert (len(both.train_x), len(both.val_x), len(both.test_x)) == (16, 4, 4), "data.val_fraction unused"
+    # Shuffled as the training split is: evaluation reads the first data.val_batches, not one class's.
+    assert sorted(both.val_y.tolist()) == [0, 0, 1, 1] and both.val_y.tolist() != [0, 0, 1, 1]
+    val_only = open_corpus(DataConfig(source="images", path=tmp_path / "val-only"), 64, 0.25)
+    assert val_only.classes == ["cat", "dog"] and len(val_only.val_x) == 4
+    n_test = int(16 * TEST_FRACTION)
+    assert (len(val_only.train_x), len(val_only.test_x)) == (16 - n_test, n_test), "test carved from train/"
+    _png(tmp_path / "both" / "val" / "bird" / "0.png", np.zeros((6, 5)))
+    with pytest.raises(ValueError, match=r"val has classes the training split lacks: \['bird'\]"):
+        open_corpus(DataConfig(source="images", path=tmp_path / "both"), 64, 0.25)
+    (tmp_path / "both" / "validation").mkdir()
+    with pytest.raises(ValueError, match=r"has val/ and validation/: keep one validation split"):
+        open_corpus(DataConfig(source="images", path=tmp_path / "both"), 64, 0.25)
