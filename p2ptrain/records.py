@@ -135,6 +135,9 @@ class ProgressRecord(BaseModel):
     trusted: conlist(constr(strict=True, max_length=8), max_items=MAX_LISTED) = []  # type: ignore[valid-type]
     struck: conlist(constr(strict=True, max_length=16), max_items=MAX_LISTED) = []  # type: ignore[valid-type]
     banned: conlist(constr(strict=True, max_length=8), max_items=MAX_LISTED) = []  # type: ignore[valid-type]
+    reputation: constr(strict=True, regex=r"^[0-9a-f]{0,16}$") = ""  # type: ignore[valid-type]
+    """verify.Reputation.digest_of the reputation it donates with the state of ``round`` (as of entering it):
+    every count, those under the trust threshold included, which the lists above leave out."""
 
     class Config:
         extra = "forbid"

@@ -248,6 +248,7 @@ class LocalStatus:
     trusted: list[str] = field(default_factory=list)
     struck: list[str] = field(default_factory=list)
     banned: list[str] = field(default_factory=list)
+    reputation: str = ""
 
 
 def with_group_cleared(changes: dict[str, Any], *, state: PeerState, round: int) -> dict[str, Any]:

@@ -17,6 +17,7 @@ import functools
 import secrets
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from enum import Enum
@@ -587,6 +588,7 @@ class Trainer:
             samples_total=self.samples_total,
             compute_s=self.compute_s,
             rounds_contributed=self.rounds_contributed,
+            **self._reputation_as_of_step(),
         )
         self.board.start()
         if cfg.initial_peers or cfg.initial_peers_file:
@@ -1105,8 +1107,12 @@ class Trainer:
             self.log.warning("nobody's work was verified: the round is void, params unchanged", round=round_)
             self.diloco.void_round()
             self.rounds_voided.append(round_)
-            self._reputation_at_step = self.reputation.to_dict()
-            self.board.update(round=self.round, state=PeerState.TRAINING, **self._no_claims())
+            self.board.update(
+                round=self.round,
+                state=PeerState.TRAINING,
+                **self._no_claims(),
+                **self._reputation_as_of_step(),
+            )
             return None
         if self.peer_id in verdict.left_out:
             self.diloco.reset_model()
@@ -1343,7 +1349,7 @@ class Trainer:
             # training time (a slow device is slow at those too), not out of the others' (they would wait for us
             # at the next barrier).
             self._next_deadline = t0 + self.cfg.inner.round_seconds
-        self._reputation_at_step = self.reputation.to_dict()
+        reputation = self._reputation_as_of_step()
         new = set(report.refused) - self.refused - self.reputation.banned
         if new:
             # Our reducer caught them (a part they had not sealed, say): we neither wait for them nor read their
@@ -1368,6 +1374,7 @@ class Trainer:
             samples_round=0,
             rounds_contributed=self.rounds_contributed,
             **self._no_claims(),
+            **reputation,
         )
         return report
 
@@ -1637,6 +1644,7 @@ class Trainer:
         )
         if self.verifying and self.reputation.banned:
             self.averager.ban(sorted(self.reputation.banned))
+        self._reputation_as_of_step()
         if resumed is None:
             return
         path, state = resumed
@@ -1691,7 +1699,8 @@ class Trainer:
                 self.diloco.rebase(delta)
             self.backoff.succeeded(donor)
             self.memory.behind_since = None  # progress: the catch-up timeout starts over
-            claims = {} if rebase else self._no_claims()  # a rebase stays in our round: our claims stand
+            # A rebase stays in our round: our claims and the reputation we donate stand.
+            claims = {} if rebase else {**self._no_claims(), **self._reputation_as_of_step()}
             self.board.update(round=self.round, params_hash=self.diloco.params_hash(), **claims)
             telemetry.STATE_LOADS.inc()
             telemetry.ROUND.set(self.round)
@@ -1737,30 +1746,55 @@ class Trainer:
                 f"its state of round {meta['round']} (hash {served}) is not what the swarm's peers report "
                 f"(round {expect_round}, hash {expect or 'none'})"
             )
+        adopted = None
+        if self.verifying and reputation:  # trust and bans are the swarm's: newcomers judge as the swarm does
+            adopted, problem = self._backed_reputation(meta.get("reputation"), donor, meta["round"])
+            if problem is not None:
+                return problem
         try:
             self.diloco.load_state_tensors(tensors, round=meta["round"])
         except ValueError as e:  # shapes or values that do not fit this model
             return str(e)
-        if self.verifying and reputation:  # trust and bans are the swarm's: newcomers judge as the swarm does
-            self._adopt_reputation(meta.get("reputation"), donor)
-        self._reputation_at_step = self.reputation.to_dict()
+        if adopted is not None:
+            self.reputation = adopted
+            if adopted.banned:
+                self.averager.ban(sorted(adopted.banned))
         return None
 
-    def _adopt_reputation(self, saved: object, donor: str) -> None:
-        """Take a donor's reputation if the swarm's records list the same trusted, struck and banned peers
-        (each peer's record lists its view): one donor alone cannot make itself trusted or ban anyone."""
+    def _backed_reputation(
+        self, saved: object, donor: str, round: int
+    ) -> tuple[verify.Reputation | None, str | None]:
+        """A donor's reputation (its state's, of ``round``) if most of the swarm's records back it: one donor
+        alone cannot make itself trusted or ban anyone. Returns (the reputation to take, or None: keep ours),
+        and why the donor is refused, if it is.
+
+        The records of ``round`` carry a digest of the whole reputation they donate, counts under the trust
+        threshold included: a donor that listed the same trusted peers could otherwise bring an accomplice a
+        round from trust in our eyes alone, or hold an honest peer back, and our assignments would then differ
+        from the swarm's. A donor that offers another than most of them carry is refused, and another asked.
+        Where they agree on none (or none carries one: a swarm of an older release, or all moved on), the
+        lists of trusted, struck and banned peers must match, or we keep ours."""
         offered = verify.Reputation(
             rounds_to_trust=self.reputation.rounds_to_trust,
             strikes_to_ban=self.reputation.strikes_to_ban,
             window=self.reputation.window,
         )
         offered.restore(saved)
-        listing = offered.listed(MAX_LISTED)
-        views = [
-            {"trusted": r.trusted, "struck": r.struck, "banned": r.banned}
-            for r in live(self._others()).values()
-            if r.peer_id != donor and r.state != PeerState.LOADING
+        others = [
+            r for r in live(self._others()).values() if r.peer_id != donor and r.state != PeerState.LOADING
         ]
+        digests = Counter(r.reputation for r in others if r.round == round and r.reputation)
+        if digests:
+            swarms, count = digests.most_common(1)[0]
+            if count * 2 > digests.total():
+                if verify.Reputation.digest_of(offered.to_dict()) == swarms:
+                    return offered, None
+                return None, (
+                    f"its reputation of round {round} is not the one {count} of {digests.total()} of the "
+                    "swarm's records of that round carry"
+                )
+        listing = offered.listed(MAX_LISTED)
+        views = [{"trusted": r.trusted, "struck": r.struck, "banned": r.banned} for r in others]
         backers = sum(view == listing for view in views)
         if views and backers * 2 <= len(views):
             self.log.warning(
@@ -1769,10 +1803,16 @@ class Trainer:
                 backers=backers,
                 peers=len(views),
             )
-            return
-        self.reputation = offered
-        if offered.banned:
-            self.averager.ban(sorted(offered.banned))
+            return None, None
+        return offered, None
+
+    def _reputation_as_of_step(self) -> dict:
+        """Take the reputation as it is now as the one we donate with our round's state (at a round change),
+        and the record field that says which it is."""
+        self._reputation_at_step = self.reputation.to_dict()
+        if not self.verifying:
+            return {}
+        return {"reputation": verify.Reputation.digest_of(self._reputation_at_step)}
 
     def _donation(self) -> tuple[dict, list[torch.Tensor]]:
         """What a newcomer downloads from us: global params, outer momentum, round (a consistent snapshot),

@@ -28,6 +28,7 @@ Pure functions, no network. The trainer carries them out in a verifiable round (
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import random
 from collections import Counter
@@ -437,6 +438,13 @@ class Reputation:
 
     MAX_PEERS = 4096
     """The most peers a saved reputation may name (it travels in the state that newcomers download)."""
+
+    @staticmethod
+    def digest_of(saved: Mapping) -> str:
+        """A short hash of a reputation's :meth:`to_dict`, every count in it: what a progress record carries
+        of the reputation its peer donates, for newcomers to compare the one they download with."""
+        text = json.dumps(saved, sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def to_dict(self) -> dict:
         return {

@@ -343,3 +343,54 @@ def test_two_colluders_never_get_an_honest_peer_struck_and_honest_peers_judge_al
             assert not any(set(g) & bad and set(g) - bad for g in verdict.agreed), verdict
     assert by_round, "no round was judged: nothing above was checked"
     assert all(len(digests) == 1 for digests in by_round.values()), by_round
+
+
+def test_a_newcomer_refuses_a_donor_whose_reputation_differs_from_the_swarms_under_the_trust_threshold(
+    tmp_path, monkeypatch
+):
+    """A donor offers the swarm's reputation with every count one round higher: the same lists of trusted,
+    struck and banned peers (nobody is trusted yet), which is all a newcomer compared before. Taken, its
+    counts would differ from everyone else's (an accomplice a round from trust in its eyes alone: their
+    assignments would differ). The records carry a digest of the whole reputation: the newcomer refuses that
+    donor, takes the state from another, and ends the run judging exactly as the others do."""
+    from tests.memswarm import Injector, fast_config
+    from tests.test_rounds import slowed_steps
+
+    injector = Injector()
+    swarm = MemorySwarm(injector)
+    names = ["a", "b", "c", "d"]
+    cfgs = _configs(tmp_path, names)
+    peers: dict[str, PeerThread] = {}
+
+    def wait_for_e_from_round_3(thread: str, _steps: int) -> None:
+        # Otherwise, on a busy machine, the others may end the run before the newcomer is in it.
+        peer = peers.get(thread.removeprefix("trainer-"))
+        if peer is None or peer.name == "e" or peer.trainer.round < 3:
+            return
+        deadline = time.monotonic() + 90
+        while "e" not in peers or peers["e"].trainer.round < peer.trainer.round:
+            assert time.monotonic() < deadline, "e did not get to the swarm's round within 90 s"
+            time.sleep(0.01)
+
+    def one_more_round_each(metadata: dict, tensors: list) -> tuple[dict, list]:
+        saved = metadata["reputation"]
+        metadata["reputation"] = {**saved, "agreed": {p: n + 1 for p, n in saved["agreed"].items()}}
+        return metadata, tensors
+
+    slowed_steps(monkeypatch, {}, after=wait_for_e_from_round_3)
+    peers.update({n: PeerThread(swarm, n, cfg) for n, cfg in cfgs.items()})
+    peers["a"].wait_until(lambda t: t.round >= 2)
+    injector.tamper_donation = one_more_round_each  # the newcomer's first download, whoever serves it
+    sections = {"verification": VERIFY, "averaging": {"target_group_size": 5}}
+    peers["e"] = PeerThread(swarm, "e", fast_config(tmp_path, "e", **sections))
+    finish(peers)
+    [hostile] = injector.tampered_donors
+    e = peers["e"].trainer
+    refused = [why for donor, why in e.refusals if donor == hostile]
+    assert refused and "is not the one" in refused[0], e.refusals
+    assert e.loads and e.reputation.agreed, (e.loads, e.reputation.agreed)
+    swarms = peers["a"].trainer.reputation.to_dict()
+    assert max(swarms["agreed"].values()) >= 3, swarms
+    for name, p in peers.items():
+        assert p.trainer.reputation.to_dict() == swarms, name
+    assert_swarm_contract(tmp_path, peers, [*names, "e"])

@@ -412,6 +412,19 @@ def test_a_reputation_survives_a_round_trip_and_a_malformed_one_is_ignored_whole
         assert fresh.to_dict() == Reputation().to_dict()
 
 
+def test_a_reputations_digest_covers_the_counts_that_its_lists_leave_out():
+    rep = Reputation(rounds_to_trust=3)
+    rep.agree(["a", "b"])
+    again = Reputation(rounds_to_trust=3)
+    again.restore(rep.to_dict())
+    assert Reputation.digest_of(again.to_dict()) == Reputation.digest_of(rep.to_dict())
+    ahead = Reputation(rounds_to_trust=3)
+    ahead.restore({**rep.to_dict(), "agreed": {"a": 2, "b": 1}})
+    assert ahead.listed(8) == rep.listed(8), "nobody trusted either way: the lists cannot tell them apart"
+    assert Reputation.digest_of(ahead.to_dict()) != Reputation.digest_of(rep.to_dict())
+    assert rec("a", 0).copy(update={"reputation": Reputation.digest_of(rep.to_dict())}).reputation
+
+
 def test_a_sketch_survives_the_record():
     work = delta(1)
     s = sketch(work, 7)
