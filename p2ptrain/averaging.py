@@ -1165,7 +1165,14 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
 
     async def _step(self, *, step, future_for_init):
         self._guard_matchmaking()
-        return await super()._step(step=step, future_for_init=future_for_init)
+        try:
+            return await super()._step(step=step, future_for_init=future_for_init)
+        finally:
+            # No group of ours is on its way any more: a groupmate's part that waits for one (_holds_group) gets
+            # its answer (BAD_GROUP_ID) now, not half a sender's timeout later. hivemind sets this only once a
+            # group is registered, and a step that ended without one (our matchmaking gave up as a leader's
+            # group came) left every part of that group waiting 15 s before its sender could leave us out.
+            self._pending_groups_registered.set()
 
     def _guard_matchmaking(self) -> None:
         """Never ask a peer we left out to lead our group, and let the barrier name groups (hivemind's

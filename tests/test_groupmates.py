@@ -240,3 +240,35 @@ def test_a_no_group_notice_names_its_round_and_is_no_groups_id():
     assert no_group_notice(5) != no_group_notice(6)
     assert notice_round(hashlib.sha256(b"a group").digest()) is None
     assert notice_round(no_group_notice(5) + b"\x00") is None
+
+
+def test_a_step_that_ended_without_a_group_answers_a_waiting_groupmates_part_at_once(monkeypatch):
+    """A leader's group reached us as our matchmaking gave up: the other members' parts must learn at once
+    that no group of ours is coming (BAD_GROUP_ID: they go on without us), not after half a sender's timeout
+    (15 s with the defaults), which hivemind waits because it marks the end of a step only when a group
+    registers."""
+    import asyncio
+    import contextlib
+
+    from hivemind.averaging import DecentralizedAverager
+
+    from p2ptrain.averaging import ExactAverager
+
+    async def gave_up(self, *, step, future_for_init):
+        self._pending_groups_registered.clear()  # as hivemind does at each attempt's start
+        raise TimeoutError("matchmaking gave up")
+
+    monkeypatch.setattr(DecentralizedAverager, "_step", gave_up)
+    averager = ExactAverager.__new__(ExactAverager)
+    averager._guard_matchmaking = lambda: None
+    averager._running_groups = {}
+    averager._parent_pid = -1  # no process of ours to shut down when it is collected
+
+    async def main() -> bool:
+        averager._pending_groups_registered = asyncio.Event()
+        with contextlib.suppress(TimeoutError):
+            await averager._step(step=None, future_for_init=None)
+        deadline = asyncio.get_running_loop().time() + 15
+        return await asyncio.wait_for(averager._holds_group(b"theirs", deadline), 5)
+
+    assert asyncio.run(main()) is False
