@@ -250,11 +250,15 @@ def check(cfg: ExperimentConfig, experiment: Experiment) -> None:
     diff = differences(cfg.agreed_sections(), without_own_fields(experiment.sections))
     if not diff:
         return
-    data_hint = (
-        " (data.sha256 is the corpus's content: this peer's data.path holds other data)"
-        if any(d.startswith("data.sha256:") for d in diff)
-        else ""
-    )
+    data_hint = ""
+    if any(d.startswith("data.sha256:") for d in diff):
+        data_hint = (
+            " (data.sha256 is the corpus's content: this peer's Python ships other documentation text than "
+            "the run's; join with the Python release the swarm runs (python --version), or train on a file "
+            "every peer has, data.source: text)"
+            if cfg.data.source == "pydoc"
+            else " (data.sha256 is the corpus's content: this peer's data.path holds other data)"
+        )
     carried = peers_count(len(experiment.publishers))
     raise ConfigError(
         f"this config differs from the swarm's experiment {experiment.run_id} (published by "

@@ -36,7 +36,8 @@ def plot_loss(
 
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # rounds are whole numbers
         ax.set_xlabel("round")
-        ax.set_ylabel("loss (nats per byte)")
+        # A mean cross-entropy: per byte on a byte-level corpus, per token on a prepared one, per image.
+        ax.set_ylabel("validation loss (nats)")
         ax.set_title(title)
         ax.grid(alpha=0.3)
         if series:

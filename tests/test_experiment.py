@@ -292,3 +292,16 @@ def test_a_joiner_with_the_same_prepared_tokens_is_taken_and_one_with_other_toke
     prepare([str(text)], tmp_path / "bpe", tokenizer="bpe", vocab_size=300)  # same text, other tokens
     with pytest.raises(ConfigError, match="data.sha256: .* here, .* in the swarm"):
         config_for(published_, {"data": {"path": str(tmp_path / "bpe")}})
+
+
+def test_a_peer_whose_python_ships_other_documentation_text_is_told_so(keys):
+    """The default corpus is the pydoc text of the peer's own Python, which changes between releases (3.11.2
+    and 3.11.7 differ): a refusal that named data.path, which such a peer never set, would not help it."""
+    found = verified(sign(cfg_of(), keys[0]))
+    assert found is not None and cfg_of().data.source == "pydoc"
+    data = {**found.sections["data"], "sha256": "0" * 64}
+    other_python = dataclasses.replace(found, sections={**found.sections, "data": data})
+    with pytest.raises(
+        ConfigError, match=r"data.sha256: .*ships other documentation text .*python --version"
+    ):
+        check(cfg_of(), other_python)
