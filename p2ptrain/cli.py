@@ -27,6 +27,7 @@ from p2ptrain.config import (
     ExperimentConfig,
     check_fields,
     deep_merge,
+    env_value,
     load_config,
     parse_set,
     read_yaml,
@@ -169,16 +170,23 @@ def own_settings_only(path: Path) -> bool:
     )
 
 
-def swarm_experiment(overrides: dict[str, Any]) -> Any:
+def swarm_experiment(
+    overrides: dict[str, Any], own: dict[str, Any] | None = None, path: Path | None = None
+) -> Any:
     """The config of the experiment the swarm at ``--initial-peers`` trains, with this peer's own sections
-    from ``overrides``: a reader DHT fetches the run's signed experiment (``experiment.py``), then leaves.
+    from ``overrides`` (flags, ``--set``), the environment and ``own`` (a volunteer's config file at
+    ``path``), in that order of precedence: a reader DHT fetches the run's signed experiment
+    (``experiment.py``), then leaves.
 
     Returns None when no initial peers are given (this peer starts a new swarm).
     """
+    own = own or {}
     try:
-        # The joiner's own flags first: a typo is refused before the swarm is asked for anything.
-        check_fields(overrides)
-        swarm_cfg = load_config(None, {"swarm": overrides.get("swarm", {})}).swarm
+        # The joiner's own settings first: a typo is refused before the swarm is asked for anything.
+        check_fields(overrides, yaml_data=own, path=path)
+        swarm_cfg = load_config(
+            None, {"swarm": overrides.get("swarm", {})}, base={"swarm": own.get("swarm", {})}
+        ).swarm
     except ConfigError as e:
         raise fail(str(e).replace("\n", "\nerror: "), EXIT_USAGE) from None
     if not (swarm_cfg.initial_peers or swarm_cfg.initial_peers_file):
@@ -188,7 +196,11 @@ def swarm_experiment(overrides: dict[str, Any]) -> Any:
     from p2ptrain.swarm import create_dht, progress_validators, published_experiments
 
     logs.configure("error", (overrides.get("log") or {}).get("format") or "auto")
-    run_id = (overrides.get("run") or {}).get("run_id")
+    run_id = (
+        (overrides.get("run") or {}).get("run_id")
+        or env_value("run", "run_id")
+        or own.get("run", {}).get("run_id")
+    )
     # A reader, as `status` is: a DHT client that serves nothing and maps no ports.
     reader = swarm_cfg.model_copy(
         update=dict(
@@ -224,7 +236,7 @@ def swarm_experiment(overrides: dict[str, Any]) -> Any:
             EXIT_RUNTIME,
         )
     try:
-        cfg = config_for(found, overrides)
+        cfg = config_for(found, overrides, own)
     except ConfigError as e:
         raise fail(str(e), EXIT_USAGE) from None
     typer.echo(
@@ -331,7 +343,7 @@ def join(
     if config is None or own_settings_only(config):
         # Without training sections of our own, we train the swarm's experiment (when we join one).
         own = read_config_file(config) if config is not None else {}
-        cfg = swarm_experiment(deep_merge(own, overrides_of(set_, flags)))
+        cfg = swarm_experiment(overrides_of(set_, flags), own, config)
     if cfg is None:
         cfg = resolve(config, set_, flags)
     from p2ptrain import logs

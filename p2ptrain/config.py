@@ -15,6 +15,7 @@ message names the field path; the CLI turns it into exit code 2.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import datetime
 import hashlib
@@ -1008,21 +1009,25 @@ def _construct(data: dict[str, Any], overrides: dict[str, Any]) -> ExperimentCon
         _YAML_DATA.reset(token)
 
 
-def check_fields(overrides: dict[str, Any]) -> None:
-    """Check what ``overrides`` (flags, ``--set``) and the environment set, field by field, before the
-    config they go into is known (a joiner's, before it reads the swarm's experiment): a wrong type, a
-    value out of range, an unknown key. Checks between fields wait for the whole config.
+def check_fields(
+    overrides: dict[str, Any], *, yaml_data: dict[str, Any] | None = None, path: Path | None = None
+) -> None:
+    """Check what ``overrides`` (flags, ``--set``), the environment and ``yaml_data`` (a volunteer's file at
+    ``path``, which sets only its own fields) set, field by field, before the config they go into is known
+    (a joiner's, before it reads the swarm's experiment): a wrong type, a value out of range, an unknown
+    key. Checks between fields wait for the whole config.
 
     Raises:
         ConfigError: one line per problem, each naming the field path and where it was set.
     """
     try:
-        _construct({}, overrides)
+        _construct(yaml_data or {}, overrides)
     except ValidationError as e:
         # A field's own problem has a field's location; a check between fields has a section's, or none.
         own = [item for item in e.errors() if len(item["loc"]) >= 2 or item["type"] == "extra_forbidden"]
         if own:
-            raise ConfigError(format_errors(own, source=_Sources(None, {}, overrides).of)) from None
+            sources = _Sources(path, yaml_data or {}, overrides)
+            raise ConfigError(format_errors(own, source=sources.of)) from None
 
 
 def _env_field(name: str) -> tuple[str, str] | None:
@@ -1031,6 +1036,21 @@ def _env_field(name: str) -> tuple[str, str] | None:
         return None
     section, delimiter, key = name[len(ENV_PREFIX) :].lower().partition("__")
     return (section, key) if delimiter else None
+
+
+def env_value(section: str, key: str) -> Any:
+    """What the environment sets ``section.key`` to (``P2PTRAIN_<SECTION>__<KEY>``, or the key of a
+    ``P2PTRAIN_<SECTION>`` JSON object), as written; None where it does not."""
+    for name, value in os.environ.items():
+        if _env_field(name) == (section, key):
+            return value
+    for name, value in os.environ.items():
+        if name.upper() == ENV_PREFIX + section.upper():
+            with contextlib.suppress(ValueError, RecursionError):
+                whole = json.loads(value)
+                if isinstance(whole, dict) and key in whole:
+                    return whole[key]
+    return None
 
 
 def check_environment() -> None:

@@ -267,9 +267,12 @@ def check(cfg: ExperimentConfig, experiment: Experiment) -> None:
     )
 
 
-def config_for(experiment: Experiment, overrides: dict[str, Any] | None = None) -> ExperimentConfig:
+def config_for(
+    experiment: Experiment, overrides: dict[str, Any] | None = None, own: dict[str, Any] | None = None
+) -> ExperimentConfig:
     """A joiner's config: the swarm's training sections, and the joiner's own sections from ``overrides``
-    (flags, ``--set``) and the environment. A training field the joiner sets is checked like a config file's.
+    (flags, ``--set``), the environment and ``own`` (a volunteer's config file, which sets only its own
+    fields), in that order of precedence. A training field the joiner sets is checked like a config file's.
 
     Raises:
         ConfigError: the published sections do not make a config here, the joiner lacks the corpus, or a
@@ -292,8 +295,9 @@ def config_for(experiment: Experiment, overrides: dict[str, Any] | None = None) 
     for name, fields in ABSENT_MEANS.items():  # left out there means other than the default here
         for key, value in fields.items():
             base.setdefault(name, {}).setdefault(key, value)
+    base["data"].pop("sha256", None)
+    base = deep_merge(base, own or {})  # the file's layer: below the environment and the flags
     data = base["data"]
-    data.pop("sha256", None)
     overrides = overrides or {}
     wanted = {
         "text": ("a text file", "FILE"),
@@ -302,7 +306,8 @@ def config_for(experiment: Experiment, overrides: dict[str, Any] | None = None) 
         "images": ("a folder of images", "DIR"),
     }
     source = data.get("source")  # a stranger's value: checked by the config below, compared as a string here
-    if isinstance(source, str) and source in wanted and not (overrides.get("data") or {}).get("path"):
+    given = (overrides.get("data") or {}).get("path") or data.get("path")
+    if isinstance(source, str) and source in wanted and not given:
         what, flag = wanted[source]
         raise ConfigError(
             f"the swarm's experiment {experiment.run_id} trains on {what} (sha256 "

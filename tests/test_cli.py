@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from p2ptrain import checkpoint
-from p2ptrain.config import ExperimentConfig
+from p2ptrain.config import ExperimentConfig, deep_merge
 from p2ptrain.data import Corpus, load_corpus
 from p2ptrain.diloco import DiLoCo
 from p2ptrain.evaluation import evaluate
@@ -201,8 +201,8 @@ def test_a_volunteers_file_of_its_own_sections_joins_the_swarms_experiment(tmp_p
         assert not cli.own_settings_only(tmp_path / "shared.yaml"), shared
     asked = []
 
-    def swarm_experiment(overrides):
-        asked.append(overrides)
+    def swarm_experiment(overrides, own, path):
+        asked.append(deep_merge(own, overrides))  # the file's layer under the flags (the environment between)
         raise cli.typer.Exit(0)
 
     monkeypatch.setattr(cli, "swarm_experiment", swarm_experiment)

@@ -353,3 +353,13 @@ def test_check_fields_refuses_a_fields_own_problems_and_leaves_checks_between_fi
     check_fields({"swarm": {"linger_s": 30}})
     with pytest.raises(ConfigError, match="swarm.linger_s"):
         load_config(None, {"swarm": {"linger_s": 30}})
+
+
+def test_the_environments_value_of_one_field_is_read_in_either_form(monkeypatch):
+    from p2ptrain.config import env_value
+
+    assert env_value("run", "run_id") is None
+    monkeypatch.setenv("P2PTRAIN_RUN", '{"run_id": "from-json"}')
+    assert env_value("run", "run_id") == "from-json"
+    monkeypatch.setenv("P2PTRAIN_run__run_id", "from-key")
+    assert env_value("run", "run_id") == "from-key"

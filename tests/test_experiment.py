@@ -305,3 +305,15 @@ def test_a_peer_whose_python_ships_other_documentation_text_is_told_so(keys):
         ConfigError, match=r"data.sha256: .*ships other documentation text .*python --version"
     ):
         check(cfg_of(), other_python)
+
+
+def test_a_volunteers_file_is_below_the_environment_and_the_flags(keys, monkeypatch, tmp_path):
+    """As for any config file: deploy's systemd unit and image set P2PTRAIN_CHECKPOINT__DIR and the like,
+    which a volunteer's file silently beat when it was merged into the flags."""
+    found = verified(sign(cfg_of(), keys[0]))
+    assert found is not None
+    own = {"checkpoint": {"dir": str(tmp_path / "file")}, "device": {"num_threads": 2}}
+    assert str(config_for(found, {}, own).checkpoint.dir) == str(tmp_path / "file")
+    monkeypatch.setenv("P2PTRAIN_CHECKPOINT__DIR", str(tmp_path / "env"))
+    cfg = config_for(found, {"device": {"num_threads": 1}}, own)
+    assert str(cfg.checkpoint.dir) == str(tmp_path / "env") and cfg.device.num_threads == 1
