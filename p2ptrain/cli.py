@@ -59,7 +59,13 @@ LogFormatOpt = Annotated[str | None, typer.Option(help="auto | json | console.")
 MetricsPortOpt = Annotated[
     int | None, typer.Option(help="Serve Prometheus metrics on this port at /metrics (metrics.port).")
 ]
-RunIdOpt = Annotated[str | None, typer.Option(help="The run to watch (run.run_id).")]
+RunIdOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="The run to watch (run.run_id; status: by default the swarm's only published run, else the "
+        "config's run.run_id)."
+    ),
+]
 DataPathOpt = Annotated[
     Path | None,
     typer.Option(
@@ -192,8 +198,7 @@ def swarm_experiment(
     if not (swarm_cfg.initial_peers or swarm_cfg.initial_peers_file):
         return None
     from p2ptrain import logs
-    from p2ptrain.experiment import ExperimentError, choose, config_for, peers_count
-    from p2ptrain.swarm import create_dht, progress_validators, published_experiments
+    from p2ptrain.experiment import config_for, peers_count
 
     logs.configure("error", (overrides.get("log") or {}).get("format") or "auto")
     run_id = (
@@ -210,23 +215,7 @@ def swarm_experiment(
             host_maddrs=[_status_listen_addr(list(swarm_cfg.initial_peers))],
         )
     )
-    try:
-        node = create_dht(reader, record_validators=progress_validators(None))
-    except SwarmError as e:
-        raise fail(str(e), EXIT_RUNTIME) from None
-    try:
-        # A record takes a moment to reach a node that just joined: look a few times before giving up.
-        deadline = time.monotonic() + 2 * swarm_cfg.heartbeat_s + 3
-        while (found := choose(published_experiments(node), run_id)) is None and time.monotonic() < deadline:
-            time.sleep(0.5)
-    except ExperimentError as e:
-        raise fail(str(e), EXIT_USAGE) from None
-    except Exception as e:  # hivemind's own zoo, from a DHT read that failed: one line, not a traceback
-        raise fail(
-            f"could not read the swarm's experiment: {str(e).strip() or type(e).__name__}", EXIT_RUNTIME
-        ) from None
-    finally:
-        node.shutdown()
+    found = _published_experiment(reader, run_id)
     if found is None:
         which = f"run {run_id}" if run_id else "any run"
         raise fail(
@@ -245,6 +234,36 @@ def swarm_experiment(
         f"{cfg.inner.num_inner_steps} inner steps."
     )
     return cfg
+
+
+def _published_experiment(reader: Any, run_id: str | None) -> Any:
+    """The experiment of ``run_id`` (None: the only run) the swarm publishes, or None: read by a DHT client
+    (``reader``, a swarm config) that leaves once it has read it.
+
+    Raises:
+        typer.Exit: the swarm trains several runs and ``run_id`` is None, or the DHT cannot be read.
+    """
+    from p2ptrain.experiment import ExperimentError, choose
+    from p2ptrain.swarm import create_dht, progress_validators, published_experiments
+
+    try:
+        node = create_dht(reader, record_validators=progress_validators(None))
+    except SwarmError as e:
+        raise fail(str(e), EXIT_RUNTIME) from None
+    try:
+        # A record takes a moment to reach a node that just joined: look a few times before giving up.
+        deadline = time.monotonic() + 2 * reader.heartbeat_s + 3
+        while (found := choose(published_experiments(node), run_id)) is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+        return found
+    except ExperimentError as e:
+        raise fail(str(e), EXIT_USAGE) from None
+    except Exception as e:  # hivemind's own zoo, from a DHT read that failed: one line, not a traceback
+        raise fail(
+            f"could not read the swarm's experiment: {str(e).strip() or type(e).__name__}", EXIT_RUNTIME
+        ) from None
+    finally:
+        node.shutdown()
 
 
 def join_line(maddr: str, cfg: ExperimentConfig, *, run_id: bool) -> str:
@@ -538,6 +557,10 @@ def status(
     logs.configure("error", "json" if as_json else cfg.log.format)
     # Never a peer's identity (the image sets P2PTRAIN_SWARM__IDENTITY_PATH for its peer): a new one.
     reader = cfg.swarm.model_copy(update=dict(identity_path=None))
+    if "run_id" not in cfg.run.model_fields_set:  # the swarm's only run, as a joiner takes it
+        found = _published_experiment(reader, None)
+        if found is not None:
+            cfg.run.run_id = found.run_id
     try:
         node = create_dht(reader, record_validators=progress_validators(cfg.run.run_id))
     except SwarmError as e:

@@ -326,3 +326,31 @@ def test_hiveminds_errors_reach_the_user_without_p2pds_timestamp_or_advice_for_h
     )
     assert _reason(Exception(said)) == "RuntimeError: none of the initial_peers responded to a ping."
     assert _reason(TimeoutError()) == "TimeoutError"
+
+
+def test_status_watches_the_swarms_only_run_unless_told_which(monkeypatch):
+    """After the README's tiny.yaml example (run p2ptrain-tiny), `status --initial-peers ...` as printed showed
+    0 peers: it watched run.run_id's default. It takes the swarm's only published run, as a joiner does."""
+    import types
+
+    from typer.testing import CliRunner
+
+    from p2ptrain import cli, swarm
+
+    published, watched = [], []
+
+    def only_run(reader, run_id):
+        published.append(run_id)
+        return types.SimpleNamespace(run_id="p2ptrain-tiny")
+
+    monkeypatch.setattr(cli, "_published_experiment", only_run)
+    monkeypatch.setattr(swarm, "create_dht", lambda *a, **k: types.SimpleNamespace(shutdown=lambda: None))
+    monkeypatch.setattr(swarm, "live_records", lambda node, run_id: watched.append(run_id) or {})
+    peer = "/ip4/127.0.0.1/tcp/1/p2p/QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"
+    result = CliRunner().invoke(cli.app, ["status", "--initial-peers", peer, "--json"])
+    assert result.exit_code == 0, result.output
+    assert published == [None] and watched == ["p2ptrain-tiny"]
+    assert json.loads(result.output.strip().splitlines()[-1])["run_id"] == "p2ptrain-tiny"
+    result = CliRunner().invoke(cli.app, ["status", "--initial-peers", peer, "--run-id", "mine", "--json"])
+    assert result.exit_code == 0, result.output
+    assert published == [None] and watched[-1] == "mine", "a run named is the run watched"
