@@ -1165,6 +1165,8 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
 
     async def _step(self, *, step, future_for_init):
         self._guard_matchmaking()
+        self._steps_begun = getattr(self, "_steps_begun", 0) + 1
+        this_step = self._steps_begun
         try:
             return await super()._step(step=step, future_for_init=future_for_init)
         finally:
@@ -1172,7 +1174,10 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
             # its answer (BAD_GROUP_ID) now, not half a sender's timeout later. hivemind sets this only once a
             # group is registered, and a step that ended without one (our matchmaking gave up as a leader's
             # group came) left every part of that group waiting 15 s before its sender could leave us out.
-            self._pending_groups_registered.set()
+            # Unless a newer step began meanwhile (the trainer gave this one up at its deadline): its group
+            # may be on its way.
+            if this_step == self._steps_begun:
+                self._pending_groups_registered.set()
 
     def _guard_matchmaking(self) -> None:
         """Never ask a peer we left out to lead our group, and let the barrier name groups (hivemind's

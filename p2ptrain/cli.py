@@ -62,8 +62,8 @@ MetricsPortOpt = Annotated[
 RunIdOpt = Annotated[
     str | None,
     typer.Option(
-        help="The run to watch (run.run_id; status: by default the swarm's only published run, else the "
-        "config's run.run_id)."
+        help="The run to watch (run.run_id; status: by default the swarm's only published run, or the "
+        "config's run.run_id where it publishes none; where it trains several, name one)."
     ),
 ]
 DataPathOpt = Annotated[

@@ -536,9 +536,7 @@ class ScheduleConfig(_Section):
     max_other_cpu: float | None = Field(default=None, gt=0.0, lt=1.0)
     """Pause while other processes use more than this share of the CPU this peer leaves free (0.5: half of
     it; near 1 when they fill the machine: 1 itself would never be passed), as read every
-    schedule.check_every_s. While paused, the share is of what it would leave free if it trained (its own
-    share of the machine when it last trained), so that pausing does not itself read as a free machine. None:
-    never pause for load."""
+    schedule.check_every_s. None: never pause for load."""
     pause_on_battery: bool = False
     """Pause while the machine runs on battery (a machine without a battery never does)."""
     hours: str | None = None

@@ -86,6 +86,8 @@ class ImageSet:
             x, y = np.concatenate([x, val_x]), np.concatenate([y, val_y])
         n_val = max(1, int(len(x) * val_fraction)) if val is None else len(val[0])
         if len(x) - n_val < 2:
+            if val is not None:
+                raise ValueError(f"{len(x) - n_val} training images are too few: two at least")
             raise ValueError(f"{len(x)} training images are too few for data.val_fraction {val_fraction}")
         scaled = torch.from_numpy(x[:-n_val]).float() / max_value
         mean = scaled.mean(dim=(0, 2, 3))
@@ -311,19 +313,19 @@ VAL_FOLDERS = ("val", "valid", "validation")
 
 
 def image_folder_splits(root: Path) -> dict[str, Path]:
-    """The folder of each split a folder of images has: ``root`` itself as ``train`` (the others carved from
-    it), or ``root/train/`` with ``root/test/`` and a validation folder (one of :data:`VAL_FOLDERS`) where
-    it has them (each missing one carved from ``train/``).
+    """The folder of each split a folder of images has: ``root/train/`` with ``root/test/``, a validation
+    folder (one of :data:`VAL_FOLDERS`) or both (a missing one carved from ``train/``); else ``root`` itself
+    as ``train`` (the others carved from it).
 
     Raises:
         ValueError: two validation folders.
     """
-    if not (root / "train").is_dir():
-        return {"train": root}
+    vals = [root / name for name in VAL_FOLDERS if (root / name).is_dir()]
+    if not (root / "train").is_dir() or not ((root / "test").is_dir() or vals):
+        return {"train": root}  # a class may be named train (trains, as against boats)
     sets = {"train": root / "train"}
     if (root / "test").is_dir():
         sets["test"] = root / "test"
-    vals = [root / name for name in VAL_FOLDERS if (root / name).is_dir()]
     if len(vals) > 1:
         raise ValueError(
             f"data.path: {root} has {' and '.join(v.name + '/' for v in vals)}: keep one validation split"

@@ -2,10 +2,7 @@
 
 The decision is a pure function of one reading (:func:`pause_reason`), and :class:`Schedule` adds the
 hysteresis: it pauses as soon as a reason shows, and resumes only once none has shown for
-``schedule.resume_after_s``, so that a peer does not flap in and out of rounds. While paused, the load of
-other processes is judged against the CPU this peer would take back if it resumed (its own share when it
-last trained), not against the whole machine: a paused peer leaves them the CPU it used, and their share of
-all of it would fall under the threshold while nothing changed. What is read comes from a
+``schedule.resume_after_s``, so that a peer does not flap in and out of rounds. What is read comes from a
 :class:`Machine` (psutil, so Linux, macOS and Windows alike): the CPU that *other* processes use (the
 machine's minus this peer's own process tree: the trainer, hivemind's children and ``p2pd``), the battery
 and the local time. Tests pass a machine of their own.
@@ -19,7 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from datetime import datetime
 from datetime import time as clock_time
 from typing import Protocol
@@ -38,10 +35,6 @@ class Reading:
     """None: no battery (or it cannot tell)."""
     now: datetime = field(default_factory=datetime.now)
     """Local time."""
-    other_of_machine: float | None = None
-    """The share (0 to 1) of the whole machine's CPU time that other processes used."""
-    own_of_machine: float | None = None
-    """The share (0 to 1) of the whole machine's CPU time that this peer's processes used."""
 
 
 class Probe(Protocol):
@@ -86,8 +79,6 @@ class Schedule:
         self._checked = -float("inf")
         self._paused_for: str | None = None
         self._clear_since: float | None = None
-        self._training_share: float | None = None
-        """This peer's largest share of the machine since it last resumed (read while it trained)."""
 
     def check(self) -> str | None:
         """None: train. Otherwise why the peer is paused (or stays paused until the machine has been free
@@ -96,30 +87,15 @@ class Schedule:
         if now - self._checked < self.cfg.check_every_s:
             return self._paused_for
         self._checked = now
-        reason = pause_reason(self.cfg, self._as_if_training(self.machine.read()))
+        reason = pause_reason(self.cfg, self.machine.read())
         if reason is not None:
             self._paused_for, self._clear_since = reason, None
         elif self._paused_for is not None:
             if self._clear_since is None:
                 self._clear_since = now
             if now - self._clear_since >= self.cfg.resume_after_s:
-                self._paused_for, self._clear_since, self._training_share = None, None, None
+                self._paused_for, self._clear_since = None, None
         return self._paused_for
-
-    def _as_if_training(self, reading: Reading) -> Reading:
-        """The reading with other processes' share of what this peer would leave free if it trained: while it
-        trains, that is what was read; while paused, it is their share of the machine over what this peer's
-        own share was when it last trained, at most (one core of two busy elsewhere reads 1.0 while we train
-        on the other, and 0.5 once we pause: judged as read, a peer would resume and pause again for ever)."""
-        if self._paused_for is None:
-            if reading.own_of_machine is not None:
-                self._training_share = max(self._training_share or 0.0, reading.own_of_machine)
-            return reading
-        if self._training_share is None or reading.other_of_machine is None:
-            return reading
-        free = 1.0 - self._training_share
-        other = min(reading.other_of_machine / free, 1.0) if free > 0 else 1.0
-        return replace(reading, other_cpu=other)
 
 
 class Machine:
@@ -159,15 +135,12 @@ class Machine:
         # The share of what we leave free that others use: on a machine they fill, that nears 1 whatever our own
         # share (as a share of the whole machine, it could never pass 1 - ours, and a threshold above that
         # would never pause us).
-        elapsed = total1 - total0
-        free = elapsed - own
-        others = max(0.0, (busy1 - busy0) - own)
+        free = (total1 - total0) - own
+        other = max(0.0, (busy1 - busy0) - own) / free if free > 0 else None
         battery = self._psutil.sensors_battery()
         return Reading(
-            other_cpu=min(others / free, 1.0) if free > 0 else None,
+            other_cpu=min(other, 1.0) if other is not None else None,
             on_battery=None if battery is None else not battery.power_plugged,
-            other_of_machine=min(others / elapsed, 1.0) if elapsed > 0 else None,
-            own_of_machine=min(own / elapsed, 1.0) if elapsed > 0 else None,
         )
 
 

@@ -283,6 +283,9 @@ class Trainer:
         """Trust and bans from verdicts; part of the state (donated, checkpointed), so the swarm shares one."""
         self._reputation_at_step: dict = self.reputation.to_dict()
         """The reputation as of our last round change: what we donate along with that round's state."""
+        self._reputation_backed = True
+        """Whether our reputation is the swarm's as far as we know: false after we kept ours when the swarm's
+        records backed no donor's (our record then carries no digest of it: it gets no say in newcomers')."""
         self.verdicts: list[tuple[int, verify.RoundVerdict]] = []
         """Every verifiable round's verdict this peer reached, in order."""
         self._replicas: tuple[str, ...] = ()
@@ -1349,7 +1352,9 @@ class Trainer:
             # training time (a slow device is slow at those too), not out of the others' (they would wait for us
             # at the next barrier).
             self._next_deadline = t0 + self.cfg.inner.round_seconds
-        reputation = self._reputation_as_of_step()
+        # Our reputation as of entering the round we are now in: unchanged where the round did not move on (the
+        # sync failed), whose verdict we have judged already.
+        reputation = self._reputation_as_of_step() if self.round > round_ else {}
         new = set(report.refused) - self.refused - self.reputation.banned
         if new:
             # Our reducer caught them (a part they had not sealed, say): we neither wait for them nor read their
@@ -1751,6 +1756,7 @@ class Trainer:
             adopted, problem = self._backed_reputation(meta.get("reputation"), donor, meta["round"])
             if problem is not None:
                 return problem
+            self._reputation_backed = adopted is not None
         try:
             self.diloco.load_state_tensors(tensors, round=meta["round"])
         except ValueError as e:  # shapes or values that do not fit this model
@@ -1771,9 +1777,10 @@ class Trainer:
         The records of ``round`` carry a digest of the whole reputation they donate, counts under the trust
         threshold included: a donor that listed the same trusted peers could otherwise bring an accomplice a
         round from trust in our eyes alone, or hold an honest peer back, and our assignments would then differ
-        from the swarm's. A donor that offers another than most of them carry is refused, and another asked.
-        Where they agree on none (or none carries one: a swarm of an older release, or all moved on), the
-        lists of trusted, struck and banned peers must match, or we keep ours."""
+        from the swarm's. A donor that offers another than most of them carry (the donor counted with what it
+        serves) is refused, and another asked. Where they agree on none (honest peers split evenly, say), or
+        none carries one (a swarm of an older release, or all moved on), the lists of trusted, struck and
+        banned peers must match, or we keep ours."""
         offered = verify.Reputation(
             rounds_to_trust=self.reputation.rounds_to_trust,
             strikes_to_ban=self.reputation.strikes_to_ban,
@@ -1785,9 +1792,12 @@ class Trainer:
         ]
         digests = Counter(r.reputation for r in others if r.round == round and r.reputation)
         if digests:
+            # The donor has its say too: honest peers split evenly (a restart, say) must not refuse every donor.
+            mine = verify.Reputation.digest_of(offered.to_dict())
+            digests[mine] += 1
             swarms, count = digests.most_common(1)[0]
             if count * 2 > digests.total():
-                if verify.Reputation.digest_of(offered.to_dict()) == swarms:
+                if mine == swarms:
                     return offered, None
                 return None, (
                     f"its reputation of round {round} is not the one {count} of {digests.total()} of the "
@@ -1812,7 +1822,11 @@ class Trainer:
         self._reputation_at_step = self.reputation.to_dict()
         if not self.verifying:
             return {}
-        return {"reputation": verify.Reputation.digest_of(self._reputation_at_step)}
+        return {
+            "reputation": verify.Reputation.digest_of(self._reputation_at_step)
+            if self._reputation_backed
+            else ""
+        }
 
     def _donation(self) -> tuple[dict, list[torch.Tensor]]:
         """What a newcomer downloads from us: global params, outer momentum, round (a consistent snapshot),
@@ -1834,7 +1848,8 @@ class Trainer:
             self.diloco,
             self.cfg,
             peer_id=self.peer_id,
-            swarm={**self.memory.to_dict(), "reputation": self.reputation.to_dict()},
+            # As of the saved round, as a donation is: the round's own verdict is judged again on resuming.
+            swarm={**self.memory.to_dict(), "reputation": self._reputation_at_step},
             inner_optimizer=None if name in (Outcome.FINAL, Outcome.DIVERGED) else self.inner_opt,
             counters={
                 "inner_steps_total": self.inner_steps_total,

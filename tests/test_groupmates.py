@@ -272,3 +272,38 @@ def test_a_step_that_ended_without_a_group_answers_a_waiting_groupmates_part_at_
         return await asyncio.wait_for(averager._holds_group(b"theirs", deadline), 5)
 
     assert asyncio.run(main()) is False
+
+
+def test_a_step_given_up_at_its_deadline_does_not_mark_the_newer_steps_group_as_gone(monkeypatch):
+    """The trainer may give a step up at its deadline and begin the next one before the old one has ended:
+    the old step's end must not tell the new group's parts that no group of ours is coming."""
+    import asyncio
+
+    from hivemind.averaging import DecentralizedAverager
+
+    from p2ptrain.averaging import ExactAverager
+
+    async def held(self, *, step, future_for_init):
+        self._pending_groups_registered.clear()
+        await step.wait()
+
+    monkeypatch.setattr(DecentralizedAverager, "_step", held)
+    averager = ExactAverager.__new__(ExactAverager)
+    averager._guard_matchmaking = lambda: None
+    averager._parent_pid = -1  # no process of ours to shut down when it is collected
+
+    async def main() -> tuple[bool, bool]:
+        averager._pending_groups_registered = asyncio.Event()
+        old, new = asyncio.Event(), asyncio.Event()
+        given_up = asyncio.create_task(averager._step(step=old, future_for_init=None))
+        await asyncio.sleep(0)
+        newer = asyncio.create_task(averager._step(step=new, future_for_init=None))
+        await asyncio.sleep(0)
+        old.set()
+        await given_up
+        while_newer_runs = averager._pending_groups_registered.is_set()
+        new.set()
+        await newer
+        return while_newer_runs, averager._pending_groups_registered.is_set()
+
+    assert asyncio.run(main()) == (False, True)

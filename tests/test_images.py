@@ -225,3 +225,11 @@ def test_a_folder_with_its_own_validation_split_keeps_it_as_validation(tmp_path)
     (tmp_path / "both" / "validation").mkdir()
     with pytest.raises(ValueError, match=r"has val/ and validation/: keep one validation split"):
         open_corpus(DataConfig(source="images", path=tmp_path / "both"), 64, 0.25)
+
+
+def test_a_class_named_train_is_a_class_where_no_test_or_validation_folder_is_beside_it(tmp_path):
+    rng = np.random.default_rng(3)
+    for name in ("boat", "train"):
+        for i in range(5):
+            _png(tmp_path / name / f"{i}.png", rng.integers(0, 255, (6, 5)))
+    assert open_corpus(DataConfig(source="images", path=tmp_path), 64, 0.25).classes == ["boat", "train"]

@@ -394,3 +394,38 @@ def test_a_newcomer_refuses_a_donor_whose_reputation_differs_from_the_swarms_und
     for name, p in peers.items():
         assert p.trainer.reputation.to_dict() == swarms, name
     assert_swarm_contract(tmp_path, peers, [*names, "e"])
+
+
+def test_honest_peers_split_evenly_on_the_reputation_lock_no_newcomer_out():
+    """The donor's own say counts with what it serves: with peers at the round split one against one (or two
+    against two), no digest has a majority, and the lists decide (they match here: nobody is trusted), as
+    they did before records carried digests. A donor against the rest is still refused."""
+    import types
+
+    from p2ptrain.verify import Reputation
+    from tests.test_records import rec
+
+    def offered(counts):
+        return {"agreed": counts, "strikes": {}, "banned": []}
+
+    def judge(others, saved):
+        me = types.SimpleNamespace(
+            reputation=Reputation(rounds_to_trust=9),
+            _others=lambda: {r.peer_id: r for r in others},
+            log=types.SimpleNamespace(warning=lambda *a, **k: None),
+        )
+        return Trainer._backed_reputation(me, saved, "donor", 5)
+
+    one, two = offered({"a": 1}), offered({"a": 2})
+    digest = {"one": Reputation.digest_of(one), "two": Reputation.digest_of(two)}
+    split = [rec("b", 5).copy(update={"reputation": digest["two"]})]
+    adopted, problem = judge(split, one)
+    assert problem is None and adopted is not None and adopted.agreed == {"a": 1}, "1 against 1: the lists"
+    split.append(rec("c", 5).copy(update={"reputation": digest["one"]}))
+    split.append(rec("d", 5).copy(update={"reputation": digest["two"]}))
+    assert judge(split, one)[1] is None, "2 against 2"
+    rest = [rec(p, 5).copy(update={"reputation": digest["two"]}) for p in "bcd"]
+    adopted, problem = judge(rest, one)
+    assert adopted is None and "is not the one 3 of 4" in problem
+    adopted, problem = judge(rest, two)
+    assert problem is None and adopted is not None and adopted.agreed == {"a": 2}
