@@ -38,6 +38,7 @@ from p2ptrain.config import (
     ConfigError,
     ExperimentConfig,
     deep_merge,
+    env_value,
     leave_out_absent,
     load_config,
     training_defaults,
@@ -306,7 +307,7 @@ def config_for(
         "images": ("a folder of images", "DIR"),
     }
     source = data.get("source")  # a stranger's value: checked by the config below, compared as a string here
-    given = (overrides.get("data") or {}).get("path") or data.get("path")
+    given = (overrides.get("data") or {}).get("path") or env_value("data", "path") or data.get("path")
     if isinstance(source, str) and source in wanted and not given:
         what, flag = wanted[source]
         raise ConfigError(

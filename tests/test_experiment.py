@@ -258,6 +258,9 @@ def test_a_joiner_gives_its_copy_of_a_text_corpus_checked_by_content(keys, tmp_p
     copy.write_bytes(corpus.read_bytes())
     monkeypatch.chdir(tmp_path)
     assert config_for(published_, {"data": {"path": os.path.relpath(copy)}}).data.path is not None
+    monkeypatch.setenv("P2PTRAIN_DATA__PATH", str(copy))  # as the systemd unit and the image give it
+    assert config_for(published_, {}).data.path == copy
+    monkeypatch.delenv("P2PTRAIN_DATA__PATH")
     other = tmp_path / "other.txt"
     other.write_bytes(b"another corpus, same size " * 385)
     with pytest.raises(ConfigError, match="data.sha256: .* here, .* in the swarm.*holds other data"):
