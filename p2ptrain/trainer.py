@@ -1628,15 +1628,16 @@ class Trainer:
         """Continue from the newest valid checkpoint of this experiment in checkpoint.dir, if any.
 
         What this peer had seen of the swarm comes back from every file there (a diverged final included,
-        though it is never resumed from): a peer left behind before its restart is still behind.
+        though it is never resumed from): a peer left behind before its restart is still behind. The
+        reputation comes from the file the state comes from (it is the reputation as of that round, which
+        the peer donates and judges with, as its swarm did then); from the newest file where none resumes.
         """
-        reputation_restored = False
+        reputations: dict[Path, object] = {}
         for path in checkpoint.candidates(self.checkpoint_dir, resumable_only=False):
             saved = checkpoint.read_swarm_memory(path, self.cfg.resumable_hashes())
             self.memory.restore(saved)
-            if saved and not reputation_restored:  # the newest of this run's files (newest come first)
-                self.reputation.restore(saved.get("reputation"))
-                reputation_restored = True
+            if saved:
+                reputations[path] = saved.get("reputation")
         resumed = checkpoint.resume_latest(
             self.checkpoint_dir,
             self.model,
@@ -1647,6 +1648,10 @@ class Trainer:
                 "refused a checkpoint", path=str(path), reason=reason
             ),
         )
+        if resumed is not None and resumed[0] in reputations:
+            self.reputation.restore(reputations[resumed[0]])
+        elif reputations:  # newest first
+            self.reputation.restore(next(iter(reputations.values())))
         if self.verifying and self.reputation.banned:
             self.averager.ban(sorted(self.reputation.banned))
         self._reputation_as_of_step()

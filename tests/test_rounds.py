@@ -7,11 +7,14 @@ final.safetensors; no round is applied twice; the swarm learned.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
 import pytest
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from p2ptrain import checkpoint
 from p2ptrain.diloco import DiLoCo
@@ -822,6 +825,16 @@ def test_a_stopped_peer_keeps_its_work_and_resumes_refusing_a_corrupted_newer_fi
     stopped_at = checkpoint.load(saved).round
     corrupted = tmp_path / "a" / "newer-but-broken.safetensors"
     corrupted.write_bytes(saved.read_bytes()[:200])  # truncated, and newer than the good file
+    # A newer file whose header reads but whose tensors fail their checksum (bit rot): its reputation, of a
+    # later round, must not come back with the older state.
+    with safe_open(str(saved), framework="pt") as f:
+        metadata = dict(f.metadata())
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    reputation = {"agreed": {}, "strikes": {}, "banned": ["QmOfALaterRound"]}
+    metadata["round"] = str(stopped_at + 1)
+    metadata["swarm"] = json.dumps({**json.loads(metadata["swarm"]), "reputation": reputation})
+    next(iter(tensors.values())).add_(1.0)
+    save_file(tensors, str(tmp_path / "a" / "rotten.safetensors"), metadata=metadata)
 
     second = PeerThread(swarm, "a", cfg)
     second.wait_until(lambda t: t.rounds_applied)
@@ -829,6 +842,7 @@ def test_a_stopped_peer_keeps_its_work_and_resumes_refusing_a_corrupted_newer_fi
     second.join()
     assert second.trainer.rounds_applied[0] == stopped_at  # it trains on from where it stopped
     assert second.trainer.inner_steps_total > 5 * stopped_at  # its inner AdamW counters came back too
+    assert not second.trainer.reputation.banned, "the reputation is the resumed file's, of its round"
 
 
 def _poison(peer: PeerThread, round: int) -> tuple[dict, list]:
