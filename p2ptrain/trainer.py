@@ -1650,6 +1650,7 @@ class Trainer:
         )
         if resumed is not None and resumed[0] in reputations:
             self.reputation.restore(reputations[resumed[0]])
+            self.disputes = verify.Dispute.pending_of(reputations[resumed[0]])
         elif reputations:  # newest first
             self.reputation.restore(next(iter(reputations.values())))
         if self.verifying and self.reputation.banned:
@@ -1756,9 +1757,10 @@ class Trainer:
                 f"its state of round {meta['round']} (hash {served}) is not what the swarm's peers report "
                 f"(round {expect_round}, hash {expect or 'none'})"
             )
-        adopted = None
+        adopted: verify.Reputation | None = None
+        disputes: list[verify.Dispute] = []
         if self.verifying and reputation:  # trust and bans are the swarm's: newcomers judge as the swarm does
-            adopted, problem = self._backed_reputation(meta.get("reputation"), donor, meta["round"])
+            adopted, disputes, problem = self._backed_reputation(meta.get("reputation"), donor, meta["round"])
             if problem is not None:
                 return problem
             self._reputation_backed = adopted is not None
@@ -1768,16 +1770,18 @@ class Trainer:
             return str(e)
         if adopted is not None:
             self.reputation = adopted
+            self.disputes = disputes  # of the round before: settled at this round's verdict
             if adopted.banned:
                 self.averager.ban(sorted(adopted.banned))
         return None
 
     def _backed_reputation(
         self, saved: object, donor: str, round: int
-    ) -> tuple[verify.Reputation | None, str | None]:
+    ) -> tuple[verify.Reputation | None, list[verify.Dispute], str | None]:
         """A donor's reputation (its state's, of ``round``) if most of the swarm's records back it: one donor
         alone cannot make itself trusted or ban anyone. Returns (the reputation to take, or None: keep ours),
-        and why the donor is refused, if it is.
+        the disputes of the round before to settle at this round's verdict, and why the donor is refused, if
+        it is.
 
         The records of ``round`` carry a digest of the whole reputation they donate, counts under the trust
         threshold included: a donor that listed the same trusted peers could otherwise bring an accomplice a
@@ -1785,28 +1789,34 @@ class Trainer:
         from the swarm's. A donor that offers another than most of them carry (the donor counted with what it
         serves) is refused, and another asked. Where they agree on none (honest peers split evenly, say), or
         none carries one (a swarm of an older release, or all moved on), the lists of trusted, struck and
-        banned peers must match, or we keep ours."""
+        banned peers must match, or we keep ours, and the disputes are not taken: only a digest vouches for
+        them (a forged one could strike an honest peer in our eyes alone)."""
         offered = verify.Reputation(
             rounds_to_trust=self.reputation.rounds_to_trust,
             strikes_to_ban=self.reputation.strikes_to_ban,
             window=self.reputation.window,
         )
         offered.restore(saved)
+        disputes = verify.Dispute.pending_of(saved)
         others = [
             r for r in live(self._others()).values() if r.peer_id != donor and r.state != PeerState.LOADING
         ]
         digests = Counter(r.reputation for r in others if r.round == round and r.reputation)
         if digests:
             # The donor has its say too: honest peers split evenly (a restart, say) must not refuse every donor.
-            mine = verify.Reputation.digest_of(offered.to_dict())
+            mine = verify.Reputation.digest_of(verify.donated(offered, disputes))
             digests[mine] += 1
             swarms, count = digests.most_common(1)[0]
             if count * 2 > digests.total():
                 if mine == swarms:
-                    return offered, None
-                return None, (
-                    f"its reputation of round {round} is not the one {count} of {digests.total()} of the "
-                    "swarm's records of that round carry"
+                    return offered, disputes, None
+                return (
+                    None,
+                    [],
+                    (
+                        f"its reputation of round {round} is not the one {count} of {digests.total()} of the "
+                        "swarm's records of that round carry"
+                    ),
                 )
         listing = offered.listed(MAX_LISTED)
         views = [{"trusted": r.trusted, "struck": r.struck, "banned": r.banned} for r in others]
@@ -1818,13 +1828,13 @@ class Trainer:
                 backers=backers,
                 peers=len(views),
             )
-            return None, None
-        return offered, None
+            return None, [], None
+        return offered, [], None
 
     def _reputation_as_of_step(self) -> dict:
         """Take the reputation as it is now as the one we donate with our round's state (at a round change),
         and the record field that says which it is."""
-        self._reputation_at_step = self.reputation.to_dict()
+        self._reputation_at_step = verify.donated(self.reputation, self.disputes)
         if not self.verifying:
             return {}
         return {

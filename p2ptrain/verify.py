@@ -746,6 +746,85 @@ class Dispute:
     referee: str
     reports: tuple[Report, ...]
 
+    MAX_PENDING = 64
+    """The most disputes a donated state may carry (one a dissenting replica group of one round)."""
+
+    def to_dict(self) -> dict:
+        """What a donor passes on of a dispute it has yet to settle: a newcomer that loads the next round's
+        state settles it at that round's verdict, as the swarm does. Sketches are float32 on the wire."""
+        return {
+            "round": self.round,
+            "group": list(self.group),
+            "shard": self.shard,
+            "seed": self.seed,
+            "referee": self.referee,
+            "reports": [
+                {
+                    "peer": r.peer,
+                    "numeric_class": r.numeric_class,
+                    "sketch": r.sketch.float().numpy().tobytes().hex(),
+                }
+                for r in self.reports
+            ],
+        }
+
+    @classmethod
+    def pending_of(cls, saved: object) -> list[Dispute]:
+        """The disputes a saved reputation passes on (its ``disputes``); none where it has none, and none
+        at all where any is malformed: it came from a file or a stranger, and is taken whole or not at all."""
+        if not isinstance(saved, Mapping) or "disputes" not in saved:
+            return []
+        items = saved["disputes"]
+        if not isinstance(items, list) or len(items) > cls.MAX_PENDING:
+            return []
+        found = []
+        for d in items:
+            ok = (
+                isinstance(d, Mapping)
+                and type(d.get("round")) is int
+                and d["round"] >= 0
+                and isinstance(d.get("group"), list)
+                and 0 < len(d["group"]) <= 16
+                and all(isinstance(p, str) for p in d["group"])
+                and isinstance(d.get("shard"), str)
+                and type(d.get("seed")) is int
+                and isinstance(d.get("referee"), str)
+                and isinstance(d.get("reports"), list)
+                and len(d["reports"]) == len(d["group"])
+                and all(
+                    isinstance(r, Mapping)
+                    and isinstance(r.get("peer"), str)
+                    and isinstance(r.get("numeric_class"), str)
+                    and isinstance(r.get("sketch"), str)
+                    and len(r["sketch"]) == 8 * SKETCH_WIDTH
+                    for r in d["reports"]
+                )
+            )
+            if not ok:
+                return []
+            reports = []
+            for r in d["reports"]:
+                try:
+                    raw = bytes.fromhex(r["sketch"])
+                except ValueError:
+                    return []
+                sketch = torch.frombuffer(bytearray(raw), dtype=torch.float32).double()
+                reports.append(Report(r["peer"], r["numeric_class"], sketch, float(sketch.norm())))
+            found.append(
+                cls(d["round"], tuple(d["group"]), d["shard"], d["seed"], d["referee"], tuple(reports))
+            )
+        return found
+
+
+def donated(reputation: Reputation, disputes: Sequence[Dispute]) -> dict:
+    """The reputation a peer donates with its round's state and saves in its checkpoints: every count, and
+    the disputes of the round before, which that round's verdict settles. Its digest
+    (:meth:`Reputation.digest_of`) is what the peer's record carries, so the swarm vouches for both."""
+    saved = reputation.to_dict()
+    if disputes:  # left out where there are none: such a digest is what it was before disputes travelled
+        saved["disputes"] = [d.to_dict() for d in disputes]
+    return saved
+
 
 def referee_for(
     group: Sequence[str],

@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from p2ptrain import checkpoint
 from p2ptrain.diloco import DiLoCo
@@ -84,6 +84,24 @@ def slowed_steps(monkeypatch, sleeps: dict[str, float], after=None) -> dict[str,
 
     monkeypatch.setattr(trainer, "inner_step", inner_step)
     return steps
+
+
+def waits_for(peers: dict[str, PeerThread], late: str, from_round: int, within_s: float = 90.0):
+    """A step hook (``slowed_steps``'s ``after``): from ``from_round`` on, the other peers take no step until
+    ``late`` is in their round. Otherwise, on a busy machine, they may end the run while the late joiner is
+    still starting or loading, and it never trains with them."""
+
+    def hook(thread: str, _steps: int) -> None:
+        peer = peers.get(thread.removeprefix("trainer-"))
+        if peer is None or peer.name == late or peer.trainer.round < from_round:
+            return
+        deadline = time.monotonic() + within_s
+        while late not in peers or peers[late].trainer.round < peer.trainer.round:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{late} did not get to the swarm's round within {within_s:.0f} s")
+            time.sleep(0.01)
+
+    return hook
 
 
 def test_three_peers_train_every_round_together(tmp_path):
@@ -414,20 +432,7 @@ def test_a_late_joiner_loads_the_swarms_state_and_trains_with_it(tmp_path, monke
     swarm = MemorySwarm()
     rounds = {"outer": {"num_rounds": 6}, "averaging": {"target_group_size": 3}}
     peers: dict[str, PeerThread] = {}
-
-    def wait_for_c_from_round_4(thread: str, _steps: int) -> None:
-        # From round 4 on, a and b take no step until c is in their round: otherwise, on a busy machine, they may
-        # finish the run while c is still starting or loading, and it never trains with them.
-        peer = peers.get(thread.removeprefix("trainer-"))
-        if peer is None or peer.name == "c" or peer.trainer.round < 4:
-            return
-        deadline = time.monotonic() + 60
-        while "c" not in peers or peers["c"].trainer.round < peer.trainer.round:
-            if time.monotonic() > deadline:
-                raise AssertionError("c did not get to the swarm's round within 60 s")
-            time.sleep(0.01)
-
-    slowed_steps(monkeypatch, {}, after=wait_for_c_from_round_4)
+    slowed_steps(monkeypatch, {}, after=waits_for(peers, "c", from_round=4, within_s=60))
     peers.update(start(swarm, tmp_path, ["a", "b"], **rounds))
     peers["a"].wait_until(lambda t: t.round >= 2)
     peers["c"] = PeerThread(swarm, "c", fast_config(tmp_path, "c", **rounds))
@@ -829,7 +834,7 @@ def test_a_stopped_peer_keeps_its_work_and_resumes_refusing_a_corrupted_newer_fi
     # later round, must not come back with the older state.
     with safe_open(str(saved), framework="pt") as f:
         metadata = dict(f.metadata())
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    tensors = load_file(str(saved))
     reputation = {"agreed": {}, "strikes": {}, "banned": ["QmOfALaterRound"]}
     metadata["round"] = str(stopped_at + 1)
     metadata["swarm"] = json.dumps({**json.loads(metadata["swarm"]), "reputation": reputation})

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import threading
 import time
+import types
 
 import pytest
 import torch
 
+from p2ptrain.records import PeerState
 from p2ptrain.trainer import Trainer
 from p2ptrain.verify import Why
 from tests.memswarm import MemorySwarm, PeerThread
@@ -354,7 +356,7 @@ def test_a_newcomer_refuses_a_donor_whose_reputation_differs_from_the_swarms_und
     assignments would differ). The records carry a digest of the whole reputation: the newcomer refuses that
     donor, takes the state from another, and ends the run judging exactly as the others do."""
     from tests.memswarm import Injector, fast_config
-    from tests.test_rounds import slowed_steps
+    from tests.test_rounds import slowed_steps, waits_for
 
     injector = Injector()
     swarm = MemorySwarm(injector)
@@ -362,22 +364,12 @@ def test_a_newcomer_refuses_a_donor_whose_reputation_differs_from_the_swarms_und
     cfgs = _configs(tmp_path, names)
     peers: dict[str, PeerThread] = {}
 
-    def wait_for_e_from_round_3(thread: str, _steps: int) -> None:
-        # Otherwise, on a busy machine, the others may end the run before the newcomer is in it.
-        peer = peers.get(thread.removeprefix("trainer-"))
-        if peer is None or peer.name == "e" or peer.trainer.round < 3:
-            return
-        deadline = time.monotonic() + 90
-        while "e" not in peers or peers["e"].trainer.round < peer.trainer.round:
-            assert time.monotonic() < deadline, "e did not get to the swarm's round within 90 s"
-            time.sleep(0.01)
-
     def one_more_round_each(metadata: dict, tensors: list) -> tuple[dict, list]:
         saved = metadata["reputation"]
         metadata["reputation"] = {**saved, "agreed": {p: n + 1 for p, n in saved["agreed"].items()}}
         return metadata, tensors
 
-    slowed_steps(monkeypatch, {}, after=wait_for_e_from_round_3)
+    slowed_steps(monkeypatch, {}, after=waits_for(peers, "e", from_round=3))
     peers.update({n: PeerThread(swarm, n, cfg) for n, cfg in cfgs.items()})
     peers["a"].wait_until(lambda t: t.round >= 2)
     injector.tamper_donation = one_more_round_each  # the newcomer's first download, whoever serves it
@@ -396,12 +388,71 @@ def test_a_newcomer_refuses_a_donor_whose_reputation_differs_from_the_swarms_und
     assert_swarm_contract(tmp_path, peers, [*names, "e"])
 
 
+def test_a_peer_back_from_a_pause_settles_the_dispute_of_the_round_it_missed_as_the_swarm_does(tmp_path):
+    """A flipper's replica group dissents in round 2; that dispute is settled at round 3's verdict. A
+    volunteer's machine is busy through round 2 (its schedule pauses it) and free again as the others gather
+    round 3's roster: it comes back, loads round 3's state and is in round 3, never having judged round 2.
+    The state it loads carries round 2's dispute (vouched for by the records' digest of the donated
+    reputation), so it strikes the flipper for round 2 as the swarm does, rather than judging round 3 one
+    strike short of everyone else."""
+    swarm = MemorySwarm()
+    names = ["a", "b", "c", "x", "p"]
+    cfgs = _configs(tmp_path, names, strikes_to_ban=100)  # never banned: x's group dissents every round
+    peers: dict[str, PeerThread] = {}
+    settled: dict[int, dict] = {}
+
+    def busy() -> str | None:
+        others_in_round_3 = all(peers[n].trainer.round >= 3 for n in "abcx")
+        return "busy" if peers["p"].trainer.round == 2 and not others_in_round_3 else None
+
+    class PausedThroughRound2(Trainer):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.schedule = types.SimpleNamespace(check=busy)
+
+        def settle_disputes(self, round_):
+            super().settle_disputes(round_)
+            settled[round_] = self.reputation.to_dict()
+
+    def waits_for_p(kind: type[Trainer]) -> type[Trainer]:
+        class WaitsForP(kind):  # type: ignore[misc, valid-type]
+            def _await_roster(self):
+                # Round 3's roster waits until p is back (loading, a round behind) or in round 3: it is then
+                # "coming", and the roster waits for it as for any peer that loads the round's state.
+                deadline = time.monotonic() + 60
+                while self.round == 3 and time.monotonic() < deadline:
+                    r = swarm.read().get(swarm.peer_id("p"))
+                    if r is not None and (r.round, r.state) in (
+                        (2, PeerState.LOADING),
+                        (3, PeerState.TRAINING),
+                    ):
+                        break
+                    time.sleep(0.01)
+                super()._await_roster()
+
+        return WaitsForP
+
+    kinds = {"x": waits_for_p(FlipsItsWork), "p": PausedThroughRound2}
+    peers.update(
+        {n: PeerThread(swarm, n, cfg, kinds.get(n, waits_for_p(Trainer))) for n, cfg in cfgs.items()}
+    )
+    finish(peers)
+    x, p = swarm.peer_id("x"), peers["p"].trainer
+    assert p.pauses and p.pauses[0][0] == 2, p.pauses
+    assert not any(r == 2 for r, _ in p.verdicts), "p judged round 2: nothing below is checked"
+    assert p.loads[0] == ("catch_up", 3), p.loads
+    struck = peers["a"].trainer.reputation.strikes.get(x, [])
+    assert 2 in struck, ("round 2 had no dispute: nothing below is checked", struck)
+    assert 3 in settled and 2 in settled[3]["strikes"].get(x, []), settled.get(3)
+    for name in "abc":
+        assert peers[name].trainer.reputation.to_dict() == peers["a"].trainer.reputation.to_dict(), name
+    assert_swarm_contract(tmp_path, peers, ["a", "b", "c", "p"])
+
+
 def test_honest_peers_split_evenly_on_the_reputation_lock_no_newcomer_out():
     """The donor's own say counts with what it serves: with peers at the round split one against one (or two
     against two), no digest has a majority, and the lists decide (they match here: nobody is trusted), as
     they did before records carried digests. A donor against the rest is still refused."""
-    import types
-
     from p2ptrain.verify import Reputation
     from tests.test_records import rec
 
@@ -414,7 +465,8 @@ def test_honest_peers_split_evenly_on_the_reputation_lock_no_newcomer_out():
             _others=lambda: {r.peer_id: r for r in others},
             log=types.SimpleNamespace(warning=lambda *a, **k: None),
         )
-        return Trainer._backed_reputation(me, saved, "donor", 5)
+        adopted, _disputes, problem = Trainer._backed_reputation(me, saved, "donor", 5)
+        return adopted, problem
 
     one, two = offered({"a": 1}), offered({"a": 2})
     digest = {"one": Reputation.digest_of(one), "two": Reputation.digest_of(two)}
@@ -429,3 +481,41 @@ def test_honest_peers_split_evenly_on_the_reputation_lock_no_newcomer_out():
     assert adopted is None and "is not the one 3 of 4" in problem
     adopted, problem = judge(rest, two)
     assert problem is None and adopted is not None and adopted.agreed == {"a": 2}
+
+
+def test_a_donors_pending_disputes_come_only_with_a_digest_that_vouches_for_them():
+    """A dispute strikes whom its reports and its referee's make it: one that a donor alone made up could get
+    an honest peer struck in a newcomer's eyes. It is taken where most records of the round carry the digest
+    of what the donor serves, and left out where only the lists can be compared."""
+    from p2ptrain.verify import SKETCH_WIDTH, Dispute, Report, Reputation, donated
+    from tests.test_records import rec
+
+    def judge(others, saved):
+        me = types.SimpleNamespace(
+            reputation=Reputation(rounds_to_trust=9),
+            _others=lambda: {r.peer_id: r for r in others},
+            log=types.SimpleNamespace(warning=lambda *a, **k: None),
+        )
+        return Trainer._backed_reputation(me, saved, "donor", 5)
+
+    reports = tuple(
+        Report(p, "cpu/float32", torch.full((SKETCH_WIDTH,), v).double(), 1.0)
+        for p, v in [("b", 1), ("x", 2)]
+    )
+    real = Dispute(4, ("b", "x"), "0/2", 7, "c", reports)
+    swapped = (
+        Report("b", "cpu/float32", reports[1].sketch, 1.0),
+        Report("x", "cpu/float32", reports[0].sketch, 1.0),
+    )
+    forged = Dispute(4, ("b", "x"), "0/2", 7, "c", swapped)  # b's work as x's: the referee would strike b
+    rep = Reputation(rounds_to_trust=9)
+    rep.agree(["a"])
+    swarms = Reputation.digest_of(donated(rep, [real]))
+    records = [rec(p, 5).copy(update={"reputation": swarms}) for p in "bcd"]
+    adopted, disputes, problem = judge(records, donated(rep, [real]))
+    assert problem is None and adopted is not None and [d.reports[1].peer for d in disputes] == ["x"]
+    assert torch.equal(disputes[0].reports[1].sketch, reports[1].sketch)
+    adopted, disputes, problem = judge(records, donated(rep, [forged]))
+    assert adopted is None and disputes == [] and "is not the one 3 of 4" in problem
+    adopted, disputes, problem = judge([rec(p, 5) for p in "bcd"], donated(rep, [real]))
+    assert problem is None and adopted is not None and disputes == [], "no digests: the lists, no disputes"

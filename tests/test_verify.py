@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from hivemind.averaging.partition import TensorPartContainer
@@ -11,8 +13,10 @@ from p2ptrain.compression import deserialize, make_codec, wire_parts
 from p2ptrain.records import ProgressRecord
 from p2ptrain.verify import (
     MAX_TOLERANCE,
+    SKETCH_WIDTH,
     ByClass,
     Claim,
+    Dispute,
     Member,
     Outcome,
     Report,
@@ -25,6 +29,7 @@ from p2ptrain.verify import (
     commitment,
     disputes,
     distance,
+    donated,
     group_seed,
     judge,
     judge_round,
@@ -458,6 +463,41 @@ def test_a_dissent_goes_to_a_referee_that_everyone_names_alike_and_that_is_not_i
     # A group that a banned member took down needs no referee.
     banned = verdict_of(claims, banned={"x"})
     assert disputes(banned, claims, run_id="r", round=3, trusted=lambda p: False) == []
+
+
+def test_a_pending_dispute_travels_with_the_reputation_its_digest_covers_and_a_malformed_one_not_at_all():
+    other = delta(2)
+    claims = [
+        claim("a", ("a", "b"), delta(1)),
+        claim("b", ("a", "b"), delta(1)),
+        claim("c", ("c", "x"), other, shard="1/2"),
+        claim("x", ("c", "x"), [-10 * t for t in other], shard="1/2"),
+    ]
+    found = disputes(verdict_of(claims), claims, run_id="r", round=3, trusted=lambda p: False)
+    rep = Reputation()
+    rep.agree(["a", "b"])
+    saved = donated(rep, found)
+    assert donated(rep, []) == rep.to_dict(), "without disputes, the reputation (and its digest) as before"
+    assert Reputation.digest_of(saved) != Reputation.digest_of(rep.to_dict())
+    (back,) = Dispute.pending_of(json.loads(json.dumps(saved)))  # as it travels: JSON
+    assert (back.round, back.group, back.shard, back.seed, back.referee) == (
+        3,
+        ("c", "x"),
+        "1/2",
+        found[0].seed,
+        found[0].referee,
+    )
+    assert [r.peer for r in back.reports] == ["c", "x"]
+    assert all(
+        torch.equal(r.sketch, f.sketch.float().double()) for r, f in zip(back.reports, found[0].reports)
+    )
+    assert Reputation.digest_of(donated(rep, [back])) == Reputation.digest_of(saved), "the same digest again"
+    wrong = json.loads(json.dumps(saved))
+    wrong["disputes"][0]["reports"][0]["sketch"] = "zz" * 4 * SKETCH_WIDTH
+    short = json.loads(json.dumps(saved))
+    short["disputes"][0]["reports"].pop()
+    for bad in (wrong, short, {"disputes": "all"}, {"disputes": [{}]}, {"disputes": [None] * 65}, None):
+        assert Dispute.pending_of(bad) == [], bad
 
 
 def test_a_claimed_shard_is_read_only_if_it_exists():
