@@ -76,7 +76,7 @@ from p2ptrain.diloco import AverageResult, AveragingFailed
 from p2ptrain.logs import bind, get_logger, unbind
 from p2ptrain.membership import Throttle
 from p2ptrain.procs import ParentWatchdog, WholeMessages, keep_sigint_handler
-from p2ptrain.verify import Sealed, part_digest, sent_problem, sketch_layout
+from p2ptrain.verify import MAX_DONATED_DISPUTE_BYTES, Sealed, part_digest, sent_problem, sketch_layout
 
 log = get_logger(__name__)
 
@@ -1555,8 +1555,11 @@ class SwarmAverager:
                 max_weight=max_weight,
                 aggregate=aggregator(cfg),
                 agreed_groups=cfg.agreed_groups,
-                # Params and outer momentum in float32, hivemind's framing, and room for the metadata.
-                max_state_bytes=2 * 4 * sum(math.prod(s) for s in layout.shapes) * 1.1 + 2**16,
+                # Params and outer momentum in float32, hivemind's framing, and room for the metadata (the
+                # reputation, and in a verifiable run the disputes still to settle).
+                max_state_bytes=2 * 4 * sum(math.prod(s) for s in layout.shapes) * 1.1
+                + 2**16
+                + MAX_DONATED_DISPUTE_BYTES,
                 start=True,
                 state_provider=state_provider,
                 target_group_size=cfg.target_group_size,

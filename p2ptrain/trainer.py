@@ -1648,9 +1648,9 @@ class Trainer:
                 "refused a checkpoint", path=str(path), reason=reason
             ),
         )
-        if resumed is not None and resumed[0] in reputations:
-            self.reputation.restore(reputations[resumed[0]])
-            self.disputes = verify.Dispute.pending_of(reputations[resumed[0]])
+        if resumed is not None:  # never a refused file's: its bans and strikes are of another round
+            self.reputation.restore(reputations.get(resumed[0]))
+            self.disputes = verify.Dispute.pending_of(reputations.get(resumed[0]))
         elif reputations:  # newest first
             self.reputation.restore(next(iter(reputations.values())))
         if self.verifying and self.reputation.banned:
@@ -1760,10 +1760,13 @@ class Trainer:
         adopted: verify.Reputation | None = None
         disputes: list[verify.Dispute] = []
         if self.verifying and reputation:  # trust and bans are the swarm's: newcomers judge as the swarm does
-            adopted, disputes, problem = self._backed_reputation(meta.get("reputation"), donor, meta["round"])
+            adopted, pending, problem = self._backed_reputation(meta.get("reputation"), donor, meta["round"])
             if problem is not None:
                 return problem
-            self._reputation_backed = adopted is not None
+            # Taken by the lists alone, with disputes nobody vouched for: ours then differs from the swarm's
+            # (we settle none of them), and our record says so by carrying no digest.
+            self._reputation_backed = adopted is not None and pending is not None
+            disputes = pending or []
         try:
             self.diloco.load_state_tensors(tensors, round=meta["round"])
         except ValueError as e:  # shapes or values that do not fit this model
@@ -1777,11 +1780,11 @@ class Trainer:
 
     def _backed_reputation(
         self, saved: object, donor: str, round: int
-    ) -> tuple[verify.Reputation | None, list[verify.Dispute], str | None]:
+    ) -> tuple[verify.Reputation | None, list[verify.Dispute] | None, str | None]:
         """A donor's reputation (its state's, of ``round``) if most of the swarm's records back it: one donor
         alone cannot make itself trusted or ban anyone. Returns (the reputation to take, or None: keep ours),
-        the disputes of the round before to settle at this round's verdict, and why the donor is refused, if
-        it is.
+        the disputes of the round before to settle at this round's verdict (None: the donor had some that
+        nobody vouched for), and why the donor is refused, if it is.
 
         The records of ``round`` carry a digest of the whole reputation they donate, counts under the trust
         threshold included: a donor that listed the same trusted peers could otherwise bring an accomplice a
@@ -1829,7 +1832,7 @@ class Trainer:
                 peers=len(views),
             )
             return None, [], None
-        return offered, [], None
+        return offered, (None if disputes else []), None
 
     def _reputation_as_of_step(self) -> dict:
         """Take the reputation as it is now as the one we donate with our round's state (at a round change),

@@ -31,6 +31,7 @@ import hashlib
 import json
 import math
 import random
+import re
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -41,7 +42,7 @@ from hivemind.compression import CompressionBase
 from hivemind.proto import runtime_pb2
 
 from p2ptrain.compression import DEFAULT_PART_SIZE_BYTES, deserialize, wire_parts
-from p2ptrain.records import PART_DIGEST_BYTES, SKETCH_VALUES, ProgressRecord
+from p2ptrain.records import MAX_REPLICAS, PART_DIGEST_BYTES, SKETCH_VALUES, ProgressRecord
 
 SKETCH_WIDTH = SKETCH_VALUES
 """Values in a sketch: the distance estimate's relative error is about sqrt(1 / width), 3% here."""
@@ -746,8 +747,9 @@ class Dispute:
     referee: str
     reports: tuple[Report, ...]
 
-    MAX_PENDING = 64
-    """The most disputes a donated state may carry (one a dissenting replica group of one round)."""
+    MAX_PER_ROUND = 16
+    """The most disputes of one round that are settled (the first in the verdict's order): every peer keeps
+    the same ones, and they travel with a donated state within :data:`MAX_DONATED_DISPUTE_BYTES`."""
 
     def to_dict(self) -> dict:
         """What a donor passes on of a dispute it has yet to settle: a newcomer that loads the next round's
@@ -775,8 +777,12 @@ class Dispute:
         if not isinstance(saved, Mapping) or "disputes" not in saved:
             return []
         items = saved["disputes"]
-        if not isinstance(items, list) or len(items) > cls.MAX_PENDING:
+        if not isinstance(items, list) or len(items) > cls.MAX_PER_ROUND:
             return []
+
+        def text(value: object) -> bool:
+            return isinstance(value, str) and len(value) <= _MAX_TEXT
+
         found = []
         for d in items:
             ok = (
@@ -784,19 +790,19 @@ class Dispute:
                 and type(d.get("round")) is int
                 and d["round"] >= 0
                 and isinstance(d.get("group"), list)
-                and 0 < len(d["group"]) <= 16
-                and all(isinstance(p, str) for p in d["group"])
-                and isinstance(d.get("shard"), str)
+                and 0 < len(d["group"]) <= MAX_REPLICAS + 1  # assign may add one lone peer to a group
+                and all(text(p) for p in d["group"])
+                and text(d.get("shard"))
                 and type(d.get("seed")) is int
-                and isinstance(d.get("referee"), str)
+                and text(d.get("referee"))
                 and isinstance(d.get("reports"), list)
                 and len(d["reports"]) == len(d["group"])
                 and all(
                     isinstance(r, Mapping)
-                    and isinstance(r.get("peer"), str)
-                    and isinstance(r.get("numeric_class"), str)
+                    and text(r.get("peer"))
+                    and text(r.get("numeric_class"))
                     and isinstance(r.get("sketch"), str)
-                    and len(r["sketch"]) == 8 * SKETCH_WIDTH
+                    and _SKETCH_HEX.fullmatch(r["sketch"]) is not None  # bytes.fromhex would skip spaces
                     for r in d["reports"]
                 )
             )
@@ -804,16 +810,22 @@ class Dispute:
                 return []
             reports = []
             for r in d["reports"]:
-                try:
-                    raw = bytes.fromhex(r["sketch"])
-                except ValueError:
-                    return []
-                sketch = torch.frombuffer(bytearray(raw), dtype=torch.float32).double()
+                raw = bytearray(bytes.fromhex(r["sketch"]))
+                sketch = torch.frombuffer(raw, dtype=torch.float32).double()
                 reports.append(Report(r["peer"], r["numeric_class"], sketch, float(sketch.norm())))
             found.append(
                 cls(d["round"], tuple(d["group"]), d["shard"], d["seed"], d["referee"], tuple(reports))
             )
         return found
+
+
+_MAX_TEXT = 128
+"""The longest peer id, shard or numeric class a donated dispute may name."""
+_SKETCH_HEX = re.compile(f"[0-9a-f]{{{8 * SKETCH_WIDTH}}}")
+"""A sketch as a donated dispute carries it: its float32 bytes in lowercase hex, nothing else."""
+
+MAX_DONATED_DISPUTE_BYTES = Dispute.MAX_PER_ROUND * (MAX_REPLICAS + 1) * (8 * SKETCH_WIDTH + 4 * _MAX_TEXT)
+"""What the pending disputes may add to a donated state's metadata, at most (about 0.6 MB)."""
 
 
 def donated(reputation: Reputation, disputes: Sequence[Dispute]) -> dict:
@@ -851,7 +863,8 @@ def referee_for(
 def disputes(
     verdict: RoundVerdict, claims: Sequence[Claim], *, run_id: str, round: int, trusted: Callable[[str], bool]
 ) -> list[Dispute]:
-    """The round's dissenting groups that a referee can settle (every member revealed and sketched)."""
+    """The round's dissenting groups that a referee can settle (every member revealed and sketched), at most
+    :attr:`Dispute.MAX_PER_ROUND` of them."""
     by_peer = {c.peer: c for c in claims}
     found = []
     for group in verdict.dissent:
@@ -867,6 +880,8 @@ def disputes(
         reports = tuple(m.report() for m in members)
         seed = group_seed(run_id, round, [m.nonce for m in members])
         found.append(Dispute(round, tuple(group), members[0].shard, seed, referee, reports))
+        if len(found) == Dispute.MAX_PER_ROUND:
+            break  # the rest go unsettled, alike on every peer
     return found
 
 

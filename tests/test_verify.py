@@ -12,6 +12,7 @@ from hivemind.compression import NoCompression
 from p2ptrain.compression import deserialize, make_codec, wire_parts
 from p2ptrain.records import ProgressRecord
 from p2ptrain.verify import (
+    MAX_DONATED_DISPUTE_BYTES,
     MAX_TOLERANCE,
     SKETCH_WIDTH,
     ByClass,
@@ -494,10 +495,44 @@ def test_a_pending_dispute_travels_with_the_reputation_its_digest_covers_and_a_m
     assert Reputation.digest_of(donated(rep, [back])) == Reputation.digest_of(saved), "the same digest again"
     wrong = json.loads(json.dumps(saved))
     wrong["disputes"][0]["reports"][0]["sketch"] = "zz" * 4 * SKETCH_WIDTH
+    spaced = json.loads(json.dumps(saved))  # bytes.fromhex skips spaces: 1 byte, not a sketch
+    spaced["disputes"][0]["reports"][0]["sketch"] = "00" + " " * (8 * SKETCH_WIDTH - 2)
+    upper = json.loads(json.dumps(saved))  # the same bytes, another digest: refused
+    upper["disputes"][0]["reports"][0]["sketch"] = "AB" * 4 * SKETCH_WIDTH
+    long_id = json.loads(json.dumps(saved))
+    long_id["disputes"][0]["referee"] = "Qm" * 1000
     short = json.loads(json.dumps(saved))
     short["disputes"][0]["reports"].pop()
-    for bad in (wrong, short, {"disputes": "all"}, {"disputes": [{}]}, {"disputes": [None] * 65}, None):
+    too_many = {"disputes": saved["disputes"] * (Dispute.MAX_PER_ROUND + 1)}
+    assert len(Dispute.pending_of({"disputes": saved["disputes"] * Dispute.MAX_PER_ROUND})) == 16
+    for bad in (
+        wrong,
+        spaced,
+        upper,
+        long_id,
+        short,
+        {"disputes": "all"},
+        {"disputes": [{}]},
+        too_many,
+        None,
+    ):
         assert Dispute.pending_of(bad) == [], bad
+
+
+def test_at_most_sixteen_disputes_of_a_round_are_settled_the_same_ones_on_every_peer():
+    """What travels with a donated state is bounded (MAX_DONATED_DISPUTE_BYTES): every peer keeps the first
+    MAX_PER_ROUND of the verdict's dissenting groups, so their digests stay alike."""
+    honest, other = delta(1, 2000), delta(2, 2000)
+    claims = [claim("a", ("a", "b"), honest, shard="0/18"), claim("b", ("a", "b"), honest, shard="0/18")]
+    for i in range(1, 18):
+        group = (f"c{i:02d}", f"x{i:02d}")
+        claims.append(claim(group[0], group, other, shard=f"{i}/18"))
+        claims.append(claim(group[1], group, [-10 * t for t in other], shard=f"{i}/18"))
+    v = verdict_of(claims)
+    assert len(v.dissent) == 17
+    found = disputes(v, claims, run_id="r", round=3, trusted=lambda p: False)
+    assert [d.group for d in found] == [tuple(g) for g in v.dissent[: Dispute.MAX_PER_ROUND]]
+    assert len(json.dumps(donated(Reputation(), found))) < MAX_DONATED_DISPUTE_BYTES
 
 
 def test_a_claimed_shard_is_read_only_if_it_exists():
