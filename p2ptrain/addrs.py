@@ -47,6 +47,9 @@ def is_loopback(maddr: str) -> bool:
     return maddr.startswith(("/ip4/127.", "/ip6/::1/", "/dns/localhost/", "/dns4/localhost/"))
 
 
+MADDRS_FILE_MAX_BYTES = 1 << 20
+
+
 def read_maddrs_file(path: Path | None, timeout_s: float) -> list[str]:
     """Multiaddrs from a file written by ``p2ptrain dht --maddrs-file``, waiting for it to appear."""
     if path is None:
@@ -54,7 +57,14 @@ def read_maddrs_file(path: Path | None, timeout_s: float) -> list[str]:
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            lines = [line.strip() for line in Path(path).read_text().splitlines()]
+            with open(path, "rb") as f:
+                raw = f.read(MADDRS_FILE_MAX_BYTES + 1)  # never all of a device or a huge file
+            if len(raw) > MADDRS_FILE_MAX_BYTES:
+                raise SwarmError(
+                    f"swarm.initial_peers_file {path}: over {MADDRS_FILE_MAX_BYTES} bytes: not a list of "
+                    "multiaddrs (`p2ptrain dht --maddrs-file` writes one)"
+                )
+            lines = [line.strip() for line in raw.decode().splitlines()]
         except FileNotFoundError:
             lines = []
         except (OSError, UnicodeDecodeError) as e:  # a folder, unreadable, not text: it will not get better
@@ -67,7 +77,7 @@ def read_maddrs_file(path: Path | None, timeout_s: float) -> list[str]:
                     parse_multiaddr(maddr)
                     check_peer_maddr(maddr)
                 except ValueError as e:
-                    raise SwarmError(f"{path}: {e}") from None
+                    raise SwarmError(f"swarm.initial_peers_file {path}: {e}") from None
             return maddrs
         if time.monotonic() > deadline:
             raise SwarmError(

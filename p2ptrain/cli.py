@@ -146,9 +146,26 @@ def writable(path: Path | None, flag: str) -> None:
         raise fail(f"{flag} {path}: cannot write it ({e.strerror or e})", EXIT_USAGE) from None
 
 
+def is_folder(path: Path) -> bool:
+    """``path.is_dir()``, False where the path cannot even be looked at (a name too long, a folder we may not
+    enter): what then reads or makes it says why, in one line."""
+    try:
+        return path.is_dir()
+    except OSError:
+        return False
+
+
+def is_file(path: Path) -> bool:
+    """``path`` exists and is not a folder (as :func:`is_folder`, False where it cannot be looked at)."""
+    try:
+        return path.exists() and not path.is_dir()
+    except OSError:
+        return False
+
+
 def output_folder(path: Path, flag: str) -> None:
     """Refuse an output folder that is a file, or cannot be made, before the work that fills it."""
-    if path.exists() and not path.is_dir():
+    if is_file(path):
         raise fail(f"{flag} {path}: is a file, not a folder", EXIT_USAGE)
     try:
         path.mkdir(parents=True, exist_ok=True)
@@ -636,7 +653,7 @@ def eval_(
 
     writable(plot, "--plot")
     for path in checkpoint_paths:
-        if path.is_dir():
+        if is_folder(path):
             raise fail(
                 f"{path}: is a folder; give model files (e.g. {path / 'final.safetensors'})", EXIT_USAGE
             )
@@ -692,12 +709,13 @@ def export_(
     from p2ptrain.checkpoint import CheckpointError
     from p2ptrain.export import ExportError, export
 
-    if checkpoint_path.is_dir():
+    if is_folder(checkpoint_path):
         raise fail(
             f"{checkpoint_path}: is a folder; give a model file (e.g. {checkpoint_path / 'final.safetensors'})",
             EXIT_USAGE,
         )
-    output_folder(out, "--out")
+    if is_file(out):  # made by export, once the file is checked
+        raise fail(f"--out {out}: is a file, not a folder", EXIT_USAGE)
     try:
         config = export(checkpoint_path, out, data_path)
     except (CheckpointError, ExportError, OSError) as e:
@@ -746,9 +764,15 @@ def data_prepare(
 
     from p2ptrain.prepare import PrepareError, expand_sources, prepare
 
+    if is_file(out):
+        raise fail(f"--out {out}: is a file, not a folder", EXIT_USAGE)
+    try:
+        found = expand_sources(sources, split, out)  # before the output folder is made: a refusal leaves none
+    except (PrepareError, OSError) as e:
+        raise fail(str(e), EXIT_USAGE) from None
     output_folder(out, "--out")
     try:
-        total = sum(s.size() for s in expand_sources(sources, split))
+        total = sum(s.size() for s in found)
         columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn())
         with Progress(*columns, transient=True, disable=not sys.stderr.isatty()) as bar:
             task = bar.add_task(

@@ -37,7 +37,11 @@ from p2ptrain.records import MAX_REPLICAS
 
 ENV_PREFIX = "P2PTRAIN_"
 
-_RUN_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_RUN_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")  # fullmatch: "$" would let a trailing newline in
+
+
+MAX_SECONDS = 1e7
+"""The longest duration a setting may take (about 116 days): beyond it, clocks and timestamps overflow."""
 
 
 class ConfigError(ValueError):
@@ -61,7 +65,7 @@ class RunConfig(_Section):
     @field_validator("run_id")
     @classmethod
     def _check_run_id(cls, value: str) -> str:
-        if not _RUN_ID.match(value):
+        if not _RUN_ID.fullmatch(value):
             raise ValueError("must be 1-64 characters of letters, digits, '-' and '_'")
         return value
 
@@ -120,6 +124,12 @@ class DataConfig(_Section):
 
     @model_validator(mode="after")
     def _check_path(self) -> DataConfig:
+        try:
+            return self._checked_path()
+        except OSError as e:  # a name too long, a folder we may not enter: Path.is_dir() raises those
+            raise ValueError(f"data.path: {self.path}: cannot read it ({e.strerror or e})") from None
+
+    def _checked_path(self) -> DataConfig:
         if self.source == "text":
             if self.path is None:
                 raise ValueError("data.path is required when data.source is 'text'")
@@ -170,7 +180,15 @@ class InnerConfig(_Section):
     weight_decay: float = Field(default=0.1, ge=0.0)
     """AdamW weight decay."""
     betas: tuple[float, float] = (0.9, 0.95)
-    """AdamW betas."""
+    """AdamW betas, each at least 0 and below 1."""
+
+    @field_validator("betas")
+    @classmethod
+    def _check_betas(cls, value: tuple[float, float]) -> tuple[float, float]:
+        if not all(0.0 <= b < 1.0 for b in value):
+            raise ValueError("each must be at least 0 and below 1")
+        return value
+
     warmup_steps: int = Field(default=20, ge=0)
     """Linear warmup of the inner learning rate over this many local steps (counted across rounds)."""
     batch_size: int = Field(default=16, ge=1, le=1 << 20)
@@ -178,7 +196,7 @@ class InnerConfig(_Section):
     num_inner_steps: int = Field(default=15, ge=1)
     """H: inner steps per round before the peers average their pseudo-gradients (with inner.round_seconds:
     the most a peer does in a round; it also bounds the weight a peer may claim)."""
-    round_seconds: float | None = Field(default=None, gt=0.0)
+    round_seconds: float | None = Field(default=None, gt=0.0, le=MAX_SECONDS)
     """Rounds by time: each peer trains a round's inner phase for this many seconds, then stops, instead of
     doing exactly inner.num_inner_steps steps. A fast device does more steps and a slow one fewer (at least
     one, at most inner.num_inner_steps), each weighted by the samples it processed, so that nobody waits for
@@ -230,7 +248,7 @@ class AveragingConfig(_Section):
     compression: Literal["none", "fp16", "int8", "int4"] = "int8"
     """Wire format of pseudo-gradients in the all-reduce: none (fp32), fp16, or blockwise int8 / int4 with one
     float32 absmax scale per block (0.254x and 0.129x of fp32's bytes at block_size 256)."""
-    block_size: int = Field(default=256, ge=8)
+    block_size: int = Field(default=256, ge=8, le=1 << 20)
     """Values per quantization block for int8 / int4 (even). Smaller blocks: less error, more scale bytes."""
     small_tensor_numel: int = Field(default=4096, ge=1)
     """Tensors with fewer values (biases, norms) are sent as fp16 under int8 / int4."""
@@ -273,21 +291,21 @@ class AveragingConfig(_Section):
     target_group_size: int = Field(default=64, ge=2)
     """Largest group in one all-reduce. DiLoCo wants the whole swarm in one group. Matchmaking assembles a
     group as soon as the peers the barrier saw ready are in (at most this many)."""
-    matchmaking_time_s: float = Field(default=3.0, gt=0.0)
+    matchmaking_time_s: float = Field(default=3.0, gt=0.0, le=MAX_SECONDS)
     """How long a peer gathers a group before the all-reduce starts, at most: a group the barrier expected
     starts once everyone is in; this timer runs out only when a groupmate fails to show up."""
-    request_timeout_s: float = Field(default=1.5, gt=0.0)
+    request_timeout_s: float = Field(default=1.5, gt=0.0, le=MAX_SECONDS)
     """Timeout of one matchmaking request. Must be smaller than averaging.matchmaking_time_s."""
-    matchmaking_timeout_s: float = Field(default=15.0, gt=0.0)
+    matchmaking_timeout_s: float = Field(default=15.0, gt=0.0, le=MAX_SECONDS)
     """Give up looking for a group after this long (then retry, or apply this peer's own pseudo-gradient).
     Must exceed averaging.matchmaking_time_s; generous, since a loaded machine answers slowly."""
-    allreduce_timeout_s: float = Field(default=120.0, gt=0.0)
+    allreduce_timeout_s: float = Field(default=120.0, gt=0.0, le=MAX_SECONDS)
     """Give up an all-reduce (and fall back to this peer's own pseudo-gradient) after this long. Must exceed
     twice averaging.next_chunk_timeout_s, the longest a groupmate that stalls as reducer is waited for."""
-    next_chunk_timeout_s: float = Field(default=30.0, gt=0.0)
+    next_chunk_timeout_s: float = Field(default=30.0, gt=0.0, le=MAX_SECONDS)
     """A sender that has not started, or a groupmate silent for this long during the all-reduce, is dropped
     from it. Generous on purpose: a slow home uplink or a starved CPU must not cost a peer its round."""
-    barrier_timeout_s: float = Field(default=300.0, gt=0.0)
+    barrier_timeout_s: float = Field(default=300.0, gt=0.0, le=MAX_SECONDS)
     """After its inner phase, a peer waits at most this long for the swarm's other peers of the same round
     to finish theirs before it averages with whoever is ready."""
     retries: int = Field(default=1, ge=0)
@@ -358,12 +376,15 @@ class VerificationConfig(_Section):
     inner learning rate ramps up over this many steps of every round. Measured on the default experiment (4
     simulated peers, 16 rounds of 15 steps, bench.simulate): val loss 2.147 without, 2.020 with 3, 1.868
     with 5, 1.877 with 8; an AdamW kept across rounds (no verification) 1.802."""
-    reveal_timeout_s: float = Field(default=60.0, gt=0.0)
+    reveal_timeout_s: float = Field(default=60.0, gt=0.0, le=MAX_SECONDS)
     """How long a replica waits for its groupmates' nonces and sketches before it judges without them (a
     peer that does not reveal is left out of the round)."""
 
 
-SWARM_KEY_RE = re.compile(r"^[0-9a-fA-F]{64}$")  # upper case too: the same bytes, copied from another tool
+SWARM_KEY_RE = re.compile(r"[0-9a-fA-F]{64}")  # upper case too: the same bytes, copied from another tool
+
+
+KEY_FILE_MAX_BYTES = 4096
 
 
 def read_key_file(path: Path) -> bytes:
@@ -371,11 +392,18 @@ def read_key_file(path: Path) -> bytes:
     the config is loaded, so that `p2ptrain config validate` and every command refuse a bad key before they
     start anything (``membership.read_swarm_key`` reads it for the DHT)."""
     try:
-        text = path.read_text().strip()
+        with open(path, "rb") as f:
+            raw = f.read(KEY_FILE_MAX_BYTES + 1)  # never all of a device or a huge file: a key is 64 digits
+        text = raw.decode().strip()
     except (OSError, UnicodeDecodeError) as e:
         reason = getattr(e, "strerror", None) or e
         raise ValueError(f"swarm.key_file {path}: cannot read it ({reason})") from None
-    if not SWARM_KEY_RE.match(text):
+    if len(raw) > KEY_FILE_MAX_BYTES:
+        raise ValueError(
+            f"swarm.key_file {path}: not a swarm key (over {KEY_FILE_MAX_BYTES} bytes: a key is 64 hexadecimal "
+            "digits, made by `p2ptrain keygen`)"
+        )
+    if not SWARM_KEY_RE.fullmatch(text):
         raise ValueError(
             f"swarm.key_file {path}: not a swarm key (64 hexadecimal digits: make one with `p2ptrain keygen`)"
         )
@@ -412,36 +440,36 @@ class SwarmConfig(_Section):
     nat_port_map: bool = True
     """Ask the home router to forward this peer's port (UPnP / NAT-PMP). Always off when every host_maddrs
     address is loopback (the demo, the tests): then nothing leaves 127.0.0.1."""
-    bootstrap_timeout_s: float = Field(default=30.0, gt=0.0)
+    bootstrap_timeout_s: float = Field(default=30.0, gt=0.0, le=MAX_SECONDS)
     """Give up joining if no initial peer answers within this time."""
     min_peers: int = Field(default=1, ge=1)
     """Before its first round, wait until this many peers (this one included) are in the swarm. The demo sets
     it to its number of peers so that nobody trains ahead alone."""
-    min_peers_timeout_s: float = Field(default=300.0, gt=0.0)
+    min_peers_timeout_s: float = Field(default=300.0, gt=0.0, le=MAX_SECONDS)
     """Stop waiting for swarm.min_peers after this long and start with whoever is there."""
-    heartbeat_s: float = Field(default=2.0, gt=0.0)
+    heartbeat_s: float = Field(default=2.0, gt=0.0, le=MAX_SECONDS)
     """How often a peer publishes its progress record. A change of state, round or params goes out at once,
     pushed to every peer it knows; samples and throughput ride on the next push, which comes at least every
     record_ttl_s / 3, when the signed copy in the DHT is refreshed too."""
     record_ttl_s: float = Field(default=20.0, gt=0.0, le=300.0)
     """A peer not heard from (pushed or read in the DHT) for this long is considered gone. At most 300: no
     node of any swarm keeps a record longer than 600 s, whatever it asks for."""
-    state_download_timeout_s: float = Field(default=60.0, gt=0.0)
+    state_download_timeout_s: float = Field(default=60.0, gt=0.0, le=MAX_SECONDS)
     """Give up downloading the swarm's state from one donor after this long and try the next."""
-    catch_up_timeout_s: float = Field(default=120.0, gt=0.0)
+    catch_up_timeout_s: float = Field(default=120.0, gt=0.0, le=MAX_SECONDS)
     """A peer behind the swarm never trains a round the swarm has left behind: it asks the live peers that
     hold the swarm's newer state (with backoff), or waits for one to come back. If it has not got that state
     after this long (its holders crashed, or cannot serve it), it goes on from its own state when it is one
     round behind (that round's progress is lost, not forked), and stops with exit code 3 when it is further
     behind. If the swarm has finished the run and nobody serves its final state, it stops at once. Must be
     shorter than averaging.barrier_timeout_s."""
-    linger_s: float = Field(default=300.0, ge=0.0)
+    linger_s: float = Field(default=300.0, ge=0.0, le=MAX_SECONDS)
     """After its last round, a peer stays this long at most, serving its final state while any live peer is
     behind, loading, or finished with other params (it leaves as soon as every other live peer is done with
     the same params), so that slower peers can finish, load its state if their last sync failed, and check
     their final params against it. At least (1 + averaging.retries) x (averaging.matchmaking_timeout_s +
     averaging.allreduce_timeout_s), the longest a failed sync can take; 0: leave at once."""
-    split_warning_s: float = Field(default=120.0, gt=0.0)
+    split_warning_s: float = Field(default=120.0, gt=0.0, le=MAX_SECONDS)
     """Warn in the logs when other peers have seen a different set of live peers than this one, or a round
     two or more apart, for this long: a sign that the swarm's DHT is split or that peers cannot reach
     each other."""
@@ -481,7 +509,7 @@ class DeviceConfig(_Section):
     """Where inner steps run. 'auto' picks mps (Apple Silicon), then cuda, then cpu."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Autocast dtype of the inner forward pass. Master params and pseudo-gradients stay float32 on CPU."""
-    num_threads: int | None = Field(default=None, ge=1)
+    num_threads: int | None = Field(default=None, ge=1, le=4096)
     """Cap on torch's CPU threads (None: torch's default). The demo sets it so that peers share a machine fairly."""
     max_memory_gb: float | None = Field(default=None, gt=0.0)
     """Cap on this peer's memory, so that the volunteer's machine keeps the rest. On CUDA and MPS the
@@ -542,9 +570,9 @@ class ScheduleConfig(_Section):
     hours: str | None = None
     """Train only between these local times, 'HH:MM-HH:MM' (it may wrap midnight: '22:00-07:00'). None: at
     any time."""
-    check_every_s: float = Field(default=5.0, gt=0.0)
+    check_every_s: float = Field(default=5.0, gt=0.0, le=MAX_SECONDS)
     """How often the machine is read (CPU, battery, clock)."""
-    resume_after_s: float = Field(default=30.0, ge=0.0)
+    resume_after_s: float = Field(default=30.0, ge=0.0, le=MAX_SECONDS)
     """Resume only once no reason to pause has shown for this long, so that a peer does not flap in and out
     of rounds. A paused peer stays in the swarm as 'paused': nobody waits for it, and it catches up when it
     resumes."""
@@ -574,7 +602,7 @@ class MetricsConfig(_Section):
     host: str = "127.0.0.1"
     """Address the metrics server listens on: this machine only by default; 0.0.0.0 for every interface (a
     Prometheus on another machine or in another container)."""
-    swarm_period_s: float = Field(default=10.0, gt=0.0)
+    swarm_period_s: float = Field(default=10.0, gt=0.0, le=MAX_SECONDS)
     """How often `p2ptrain dht --metrics-port` reads the peers' records for the swarm-wide gauges."""
 
 
@@ -1130,9 +1158,21 @@ class _Sources:
             return str(self.path) if self.path else None
         if _has(self.overrides, keys):
             return "command line"
-        env = ENV_PREFIX + "__".join(k.upper() for k in keys[:2])
-        if env in os.environ:
-            return f"environment variable {env}"
+        for name in sorted(os.environ):  # P2PTRAIN_INNER__LR, and P2PTRAIN_INNER__LR__X that nests in it
+            field = _env_field(name)
+            if (
+                field is not None
+                and field[0] == keys[0]
+                and (len(keys) == 1 or field[1].split("__")[0] == keys[1])
+            ):
+                return f"environment variable {name}"
+        for name in sorted(os.environ):  # the section's JSON: P2PTRAIN_INNER='{"lr": ...}'
+            if (
+                name.upper() == ENV_PREFIX + keys[0].upper()
+                and len(keys) > 1
+                and env_value(*keys[:2]) is not None
+            ):
+                return f"environment variable {name}"
         if self.path is not None and _has(self.yaml_data, keys[:1]):
             return str(self.path)
         return None
@@ -1167,7 +1207,8 @@ def format_errors(errors: Iterable[Any], source: Any = None) -> str:
         if item["type"] == "extra_forbidden":
             message = "unknown key"
         elif "input" in item and item["type"] not in ("missing",) and not isinstance(item["input"], dict):
-            message = f"{message} (got {item['input']!r})"
+            got = repr(item["input"])
+            message = f"{message} (got {got if len(got) <= 80 else got[:72] + '...' + got[-5:]})"
         origin = source(tuple(item["loc"])) if callable(source) else source
         prefix = f"{origin}: " if origin else ""
         if message.startswith(f"{where}."):  # a section's own check already names its field

@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 
 from p2ptrain import checkpoint
 from p2ptrain.models import ZOO, LlamaShape, build_model
-from p2ptrain.prepare import END_OF_TEXT, TOKENIZER_FILE, Manifest, PrepareError
+from p2ptrain.prepare import END_OF_TEXT, MAX_VOCAB, TOKENIZER_FILE, Manifest, PrepareError
 
 
 class ExportError(ValueError):
@@ -48,9 +48,13 @@ def export(path: Path, out: Path, data_path: Path | None = None) -> dict:
             f"{path}: model.name {cfg.model.name} has no Hugging Face class; only llama-* models export"
         )
     embedding = loaded.params.get("model.embed_tokens.weight")
-    if embedding is None or embedding.dim() != 2:
+    if embedding is None or embedding.dim() != 2 or embedding.shape[1] != shape.n_embd:
         raise ExportError(f"{path}: no token embedding (model.embed_tokens.weight) of model {cfg.model.name}")
     vocab_size = int(embedding.shape[0])
+    if not 0 < vocab_size <= MAX_VOCAB:  # before a model of that size is built
+        raise ExportError(
+            f"{path}: a vocabulary of {vocab_size} ids (model.embed_tokens.weight) is not a model's"
+        )
     # The checks eval makes: every param of this model, of its shape, matching the file's recorded hash.
     checkpoint.load_into(
         build_model(cfg.model.name, cfg.model.context_length, vocab_size=vocab_size), loaded, path
@@ -68,7 +72,10 @@ def export(path: Path, out: Path, data_path: Path | None = None) -> dict:
         **hf_config(cfg.model.name, cfg.model.context_length, vocab_size, end_of_text),
         "p2ptrain": {"run_id": cfg.run.run_id, "round": loaded.round, "params_hash": loaded.params_sha256()},
     }
-    out.mkdir(parents=True, exist_ok=True)
+    try:  # only now: a file that cannot be exported leaves no folder behind
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ExportError(f"{out}: cannot make it ({e.strerror or e})") from None
     # Written beside, then moved in: a failure part-way leaves the earlier export whole, not a mix of two.
     with tempfile.TemporaryDirectory(dir=out, prefix=".export-") as staging_dir:
         staging = Path(staging_dir)

@@ -115,45 +115,62 @@ class Source:
 SUFFIX_KINDS = {".jsonl": "jsonl", ".parquet": "parquet"}
 
 
-def expand_sources(specs: Iterable[str], split: str = "train") -> list[Source]:
+def expand_sources(specs: Iterable[str], split: str = "train", out: Path | None = None) -> list[Source]:
     """Files, folders (recursively, sorted, hidden files skipped), globs and saved Hugging Face datasets (of a
-    ``DatasetDict``, its ``split``), in the order given."""
+    ``DatasetDict``, its ``split``), in the order given. ``out``, the folder being written, must not overlap
+    them: a later run would read its tokens and manifest as text."""
     found: list[Source] = []
     for spec in specs:
-        path = Path(spec)
-        if (path / "state.json").is_file():  # Dataset.save_to_disk
-            found.append(Source(path, "dataset"))
-            continue
-        if (path / "dataset_dict.json").is_file():  # DatasetDict.save_to_disk: one folder per split
-            splits = _dataset_splits(path)
-            if split not in splits:
-                raise PrepareError(
-                    f"source {spec}: a saved DatasetDict without split {split!r} (it has {splits})"
-                )
-            found.append(Source(path / split, "dataset"))
-            continue
-        if path.is_dir():
-            files = sorted(
-                p
-                for p in path.rglob("*")
-                if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts)
+        try:
+            found += _expand(spec, split)
+        except OSError as e:  # a name too long, a folder we may not enter
+            raise PrepareError(f"source {spec}: cannot read it ({e.strerror or e})") from None
+    if out is not None:
+        written = out.resolve()
+        folders = [Path(spec) for spec in specs if Path(spec).is_dir()]
+        inside = [f for f in folders if written.is_relative_to(f.resolve())]
+        inside += [s.path for s in found if s.path.resolve().is_relative_to(written)]
+        if inside:
+            raise PrepareError(
+                f"the output folder {out} and the source {inside[0]} overlap: a later run would read the "
+                "corpus it writes as text; write it to a folder of its own"
             )
-            if not files:
-                raise PrepareError(f"source {spec}: the folder holds no files")
-        elif path.is_file():
-            files = [path]
-        elif glob.has_magic(spec):
-            files = sorted(Path(p) for p in glob.glob(spec, recursive=True) if Path(p).is_file())
-            if not files:
-                raise PrepareError(f"source {spec}: the pattern matches no file")
-        else:
-            raise PrepareError(f"source {spec}: no such file or folder")
-        found += [Source(p, SUFFIX_KINDS.get(p.suffix, "text")) for p in files]
     if not found:
         raise PrepareError(
             "no sources: give text files, folders, globs, .jsonl or .parquet files, or datasets"
         )
     return found
+
+
+def _expand(spec: str, split: str) -> list[Source]:
+    """One source argument's sources (:func:`expand_sources`)."""
+    path = Path(spec)
+    if (path / "state.json").is_file():  # Dataset.save_to_disk
+        return [Source(path, "dataset")]
+    if (path / "dataset_dict.json").is_file():  # DatasetDict.save_to_disk: one folder per split
+        splits = _dataset_splits(path)
+        if split not in splits:
+            raise PrepareError(
+                f"source {spec}: a saved DatasetDict without split {split!r} (it has {splits})"
+            )
+        return [Source(path / split, "dataset")]
+    if path.is_dir():
+        files = sorted(
+            p
+            for p in path.rglob("*")
+            if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts)
+        )
+        if not files:
+            raise PrepareError(f"source {spec}: the folder holds no files")
+    elif path.is_file():
+        files = [path]
+    elif glob.has_magic(spec):
+        files = sorted(Path(p) for p in glob.glob(spec, recursive=True) if Path(p).is_file())
+        if not files:
+            raise PrepareError(f"source {spec}: the pattern matches no file")
+    else:
+        raise PrepareError(f"source {spec}: no such file or folder")
+    return [Source(p, SUFFIX_KINDS.get(p.suffix, "text")) for p in files]
 
 
 def documents(source: Source, text_field: str = "text") -> Iterator[Iterable[str]]:
@@ -363,6 +380,10 @@ class Tokenizer:
         return None if self._bpe is None else self._bpe.to_str()
 
 
+MAX_VOCAB = 1 << 24
+"""The largest vocabulary a prepared corpus (and a model file) may have: 16.7M ids, 64x the largest in use."""
+
+
 def dtype_for(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint8 if vocab_size <= 1 << 8 else np.uint16 if vocab_size <= 1 << 16 else np.uint32)
 
@@ -421,8 +442,14 @@ class Manifest:
     def _check_fields(self) -> None:
         """The fields' types, and a dtype that holds the vocabulary: ValueError or TypeError naming the field."""
         whole = lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0  # noqa: E731
-        if not (whole(self.vocab_size) and self.vocab_size > 0):
-            raise ValueError(f"vocab_size {self.vocab_size!r}: not a positive whole number")
+        if not (whole(self.vocab_size) and 0 < self.vocab_size <= MAX_VOCAB):
+            raise ValueError(f"vocab_size {self.vocab_size!r}: not a whole number from 1 to {MAX_VOCAB}")
+        if self.end_of_text is not None and not (
+            whole(self.end_of_text) and self.end_of_text < self.vocab_size
+        ):
+            raise ValueError(
+                f"end_of_text {self.end_of_text!r}: not a token id below vocab_size {self.vocab_size}"
+            )
         if not whole(self.num_tokens):
             raise ValueError(f"num_tokens {self.num_tokens!r}: not a whole number")
         if not isinstance(self.dtype, str) or self.dtype != dtype_for(self.vocab_size).name:
@@ -480,7 +507,7 @@ def prepare(
 ) -> Manifest:
     """Tokenize ``specs`` into ``out`` (see the module doc). ``tokenizer``: 'byte', 'bpe' (trained here on the
     sources, ``vocab_size`` ids) or a path to a tokenizer.json. ``progress`` is called with bytes read."""
-    sources = expand_sources(specs, split)
+    sources = expand_sources(specs, split, out)
     if tokenizer == "byte":
         tok = Tokenizer.byte_level()
     elif tokenizer == "bpe":
@@ -551,13 +578,16 @@ def prepare(
 def _texts(sources: list[Source], text_field: str) -> Iterator[tuple[str, bool]]:
     """Every text in order, with whether it ends its document (a separator follows it)."""
     for source in sources:
-        for pieces in documents(source, text_field):
-            last = None
-            for piece in pieces:
-                if last is not None:
-                    yield last, False
-                last = piece
-            yield last or "", True
+        try:
+            for pieces in documents(source, text_field):
+                last = None
+                for piece in pieces:
+                    if last is not None:
+                        yield last, False
+                    last = piece
+                yield last or "", True
+        except OSError as e:  # a device that fails, a file gone meanwhile: say which source
+            raise PrepareError(f"source {source.path}: cannot read it ({e.strerror or e})") from None
 
 
 def _batches(

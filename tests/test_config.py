@@ -204,6 +204,14 @@ def test_each_bad_value_is_blamed_on_where_it_came_from(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match=r"^environment variable P2PTRAIN_INNER__LR: inner.lr: "):
         load_config(path)
     monkeypatch.delenv("P2PTRAIN_INNER__LR")
+    monkeypatch.setenv("P2PTRAIN_INNER__LR__X", "1")  # nested in inner.lr
+    with pytest.raises(ConfigError, match=r"^environment variable P2PTRAIN_INNER__LR__X: inner.lr: "):
+        load_config(path)
+    monkeypatch.delenv("P2PTRAIN_INNER__LR__X")
+    monkeypatch.setenv("P2PTRAIN_INNER", '{"foo": 1}')  # the section as JSON
+    with pytest.raises(ConfigError, match=r"^environment variable P2PTRAIN_INNER: inner.foo: unknown key"):
+        load_config(path)
+    monkeypatch.delenv("P2PTRAIN_INNER")
     with pytest.raises(ConfigError, match=r"^command line: inner.lr: "):
         load_config(path, parse_set(["inner.lr=slow"]))
     with pytest.raises(ConfigError, match=rf"^{re.escape(str(path))}: outer.num_rounds: "):
@@ -342,6 +350,40 @@ def test_infinite_values_and_initial_peers_without_a_peer_id_are_refused():
         load_config(None, parse_set(["inner.lr=.inf"]))
     with pytest.raises(ConfigError, match=r"'/ip4/127.0.0.1/tcp/31337' has no /p2p/<peer id> part"):
         load_config(None, {"swarm": {"initial_peers": ["/ip4/127.0.0.1/tcp/31337"]}})
+
+
+@pytest.mark.parametrize(
+    ("setting", "problem"),
+    [
+        ("run.run_id=abc\n", r"run.run_id: must be 1-64 characters"),  # "$" matched before a newline
+        (
+            "inner.betas=[1.5, -2]",
+            r"inner.betas: each must be at least 0 and below 1",
+        ),  # torch's error, at join
+        ("device.num_threads=99999999999999", r"device.num_threads: Input should be less than or equal"),
+        ("averaging.block_size=100000000000000", r"averaging.block_size: Input should be less than or equal"),
+        ("swarm.bootstrap_timeout_s=1e300", r"swarm.bootstrap_timeout_s: Input should be less than or equal"),
+        (
+            "swarm.key_file=/dev/zero",
+            r"swarm.key_file /dev/zero: not a swarm key \(over 4096 bytes",
+        ),  # not read whole
+        (
+            "data.source=text",
+            r"data.path: x+: cannot read it \(File name too long\)",
+        ),  # Path.is_dir raised it
+    ],
+)
+def test_values_that_failed_later_or_in_a_traceback_are_refused_naming_the_field(setting, problem):
+    sets = [setting] + (["data.path=" + "x" * 300] if setting == "data.source=text" else [])
+    overrides = parse_set(sets) if "\n" not in setting else {"run": {"run_id": "abc\n"}}
+    with pytest.raises(ConfigError, match=rf"^command line: {problem}"):
+        load_config(None, overrides)
+
+
+def test_a_refused_value_is_named_cut_short_in_a_one_line_error():
+    with pytest.raises(ConfigError) as refused:
+        load_config(None, {"run": {"run_id": "a" * 100_000}})
+    assert len(str(refused.value)) < 200 and "..." in str(refused.value), str(refused.value)[:300]
 
 
 def test_check_fields_refuses_a_fields_own_problems_and_leaves_checks_between_fields_to_the_config():

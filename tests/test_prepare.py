@@ -168,6 +168,8 @@ def test_a_manifest_with_fields_of_the_wrong_kind_is_refused_in_one_line(tmp_pat
         ("shards", [{"file": "tokens-00000.bin"}], "not a file name and a token count"),
         ("shards", [{"file": "../../etc/passwd", "tokens": 1}], "not a name in the folder"),
         ("num_tokens", -1, "num_tokens -1"),
+        ("end_of_text", 1_000_000, "end_of_text 1000000: not a token id below vocab_size 256"),
+        ("vocab_size", 1 << 40, "not a whole number from 1 to 16777216"),
     ]:
         (out / "manifest.json").write_text(json.dumps({**doc, field: value}))
         with pytest.raises(PrepareError, match="not a p2ptrain manifest") as refused:
