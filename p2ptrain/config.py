@@ -249,7 +249,8 @@ class AveragingConfig(_Section):
     """Wire format of pseudo-gradients in the all-reduce: none (fp32), fp16, or blockwise int8 / int4 with one
     float32 absmax scale per block (0.254x and 0.129x of fp32's bytes at block_size 256)."""
     block_size: int = Field(default=256, ge=8, le=1 << 20)
-    """Values per quantization block for int8 / int4 (even). Smaller blocks: less error, more scale bytes."""
+    """Values per quantization block for int8 / int4 (even, at most 1048576). Smaller blocks: less error, more
+    scale bytes."""
     small_tensor_numel: int = Field(default=4096, ge=1)
     """Tensors with fewer values (biases, norms) are sent as fp16 under int8 / int4."""
     packed: bool = True
@@ -394,15 +395,15 @@ def read_key_file(path: Path) -> bytes:
     try:
         with open(path, "rb") as f:
             raw = f.read(KEY_FILE_MAX_BYTES + 1)  # never all of a device or a huge file: a key is 64 digits
+        if len(raw) > KEY_FILE_MAX_BYTES:
+            raise ValueError(
+                f"swarm.key_file {path}: not a swarm key (over {KEY_FILE_MAX_BYTES} bytes: a key is 64 "
+                "hexadecimal digits, made by `p2ptrain keygen`)"
+            )
         text = raw.decode().strip()
     except (OSError, UnicodeDecodeError) as e:
         reason = getattr(e, "strerror", None) or e
         raise ValueError(f"swarm.key_file {path}: cannot read it ({reason})") from None
-    if len(raw) > KEY_FILE_MAX_BYTES:
-        raise ValueError(
-            f"swarm.key_file {path}: not a swarm key (over {KEY_FILE_MAX_BYTES} bytes: a key is 64 hexadecimal "
-            "digits, made by `p2ptrain keygen`)"
-        )
     if not SWARM_KEY_RE.fullmatch(text):
         raise ValueError(
             f"swarm.key_file {path}: not a swarm key (64 hexadecimal digits: make one with `p2ptrain keygen`)"
@@ -510,7 +511,8 @@ class DeviceConfig(_Section):
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Autocast dtype of the inner forward pass. Master params and pseudo-gradients stay float32 on CPU."""
     num_threads: int | None = Field(default=None, ge=1, le=4096)
-    """Cap on torch's CPU threads (None: torch's default). The demo sets it so that peers share a machine fairly."""
+    """Cap on torch's CPU threads (None: torch's default; at most 4096). The demo sets it so that peers share a
+    machine fairly."""
     max_memory_gb: float | None = Field(default=None, gt=0.0)
     """Cap on this peer's memory, so that the volunteer's machine keeps the rest. On CUDA and MPS the
     allocator is held to it (a step that needs more fails); on any device the peer measures its processes'
@@ -1158,20 +1160,16 @@ class _Sources:
             return str(self.path) if self.path else None
         if _has(self.overrides, keys):
             return "command line"
-        for name in sorted(os.environ):  # P2PTRAIN_INNER__LR, and P2PTRAIN_INNER__LR__X that nests in it
-            field = _env_field(name)
+        for name in sorted(os.environ):
             if (
-                field is not None
-                and field[0] == keys[0]
-                and (len(keys) == 1 or field[1].split("__")[0] == keys[1])
-            ):
-                return f"environment variable {name}"
-        for name in sorted(os.environ):  # the section's JSON: P2PTRAIN_INNER='{"lr": ...}'
-            if (
-                name.upper() == ENV_PREFIX + keys[0].upper()
-                and len(keys) > 1
-                and env_value(*keys[:2]) is not None
-            ):
+                len(keys) > 1
+            ):  # P2PTRAIN_INNER__LR, P2PTRAIN_INNER__LR__X (nested in it), P2PTRAIN_INNER's JSON
+                field = _env_field(name)
+                if (field is not None and field[0] == keys[0] and field[1].split("__")[0] == keys[1]) or (
+                    name.upper() == ENV_PREFIX + keys[0].upper() and env_value(*keys[:2]) is not None
+                ):
+                    return f"environment variable {name}"
+            elif name.upper() == ENV_PREFIX + keys[0].upper():  # a section's own check: only its JSON
                 return f"environment variable {name}"
         if self.path is not None and _has(self.yaml_data, keys[:1]):
             return str(self.path)
@@ -1230,6 +1228,8 @@ def reference_markdown() -> str:
         "a section and its key with one underscore (`P2PTRAIN_INNER_LR`). `P2PTRAIN_<SECTION>` sets a whole section",
         "as JSON; other `P2PTRAIN_` names are not read. A list set by a variable is JSON:",
         "`P2PTRAIN_SWARM__INITIAL_PEERS='[\"/ip4/203.0.113.5/tcp/31337/p2p/12D3Koo...\"]'`.",
+        "",
+        f"Every duration (a key ending in `_s`, and `inner.round_seconds`) is at most {MAX_SECONDS:,.0f} s.",
         "",
     ]
     for section_name, section_field in ExperimentConfig.model_fields.items():

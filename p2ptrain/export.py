@@ -48,8 +48,13 @@ def export(path: Path, out: Path, data_path: Path | None = None) -> dict:
             f"{path}: model.name {cfg.model.name} has no Hugging Face class; only llama-* models export"
         )
     embedding = loaded.params.get("model.embed_tokens.weight")
-    if embedding is None or embedding.dim() != 2 or embedding.shape[1] != shape.n_embd:
+    if embedding is None or embedding.dim() != 2:
         raise ExportError(f"{path}: no token embedding (model.embed_tokens.weight) of model {cfg.model.name}")
+    if embedding.shape[1] != shape.n_embd:
+        raise ExportError(
+            f"{path}: model.embed_tokens.weight has shape {list(embedding.shape)}; model {cfg.model.name}'s "
+            f"embeddings are {shape.n_embd} wide"
+        )
     vocab_size = int(embedding.shape[0])
     if not 0 < vocab_size <= MAX_VOCAB:  # before a model of that size is built
         raise ExportError(

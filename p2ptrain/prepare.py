@@ -28,6 +28,7 @@ import glob
 import hashlib
 import json
 import os
+import re
 import shutil
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
@@ -117,8 +118,9 @@ SUFFIX_KINDS = {".jsonl": "jsonl", ".parquet": "parquet"}
 
 def expand_sources(specs: Iterable[str], split: str = "train", out: Path | None = None) -> list[Source]:
     """Files, folders (recursively, sorted, hidden files skipped), globs and saved Hugging Face datasets (of a
-    ``DatasetDict``, its ``split``), in the order given. ``out``, the folder being written, must not overlap
-    them: a later run would read its tokens and manifest as text."""
+    ``DatasetDict``, its ``split``), in the order given; never what a prepare writes in ``out`` (its
+    manifest, token shards and tokenizer: an earlier run's, in a source folder that holds ``out``, are no
+    text to read)."""
     found: list[Source] = []
     for spec in specs:
         try:
@@ -126,20 +128,22 @@ def expand_sources(specs: Iterable[str], split: str = "train", out: Path | None 
         except OSError as e:  # a name too long, a folder we may not enter
             raise PrepareError(f"source {spec}: cannot read it ({e.strerror or e})") from None
     if out is not None:
-        written = out.resolve()
-        folders = [Path(spec) for spec in specs if Path(spec).is_dir()]
-        inside = [f for f in folders if written.is_relative_to(f.resolve())]
-        inside += [s.path for s in found if s.path.resolve().is_relative_to(written)]
-        if inside:
-            raise PrepareError(
-                f"the output folder {out} and the source {inside[0]} overlap: a later run would read the "
-                "corpus it writes as text; write it to a folder of its own"
-            )
+        found = [s for s in found if not _written_by_prepare(s.path, out)]
     if not found:
         raise PrepareError(
             "no sources: give text files, folders, globs, .jsonl or .parquet files, or datasets"
         )
     return found
+
+
+def _written_by_prepare(path: Path, out: Path) -> bool:
+    """Whether ``path`` is one of the files a prepare writes in ``out``."""
+    try:
+        folder, written = path.parent.resolve(), out.resolve()
+    except (OSError, RuntimeError):  # a symlink loop: nothing a prepare wrote
+        return False
+    ours = path.name in (MANIFEST, TOKENIZER_FILE) or re.fullmatch(r"tokens-\d+\.bin", path.name) is not None
+    return (folder == written and ours) or folder.is_relative_to(written / STAGING)
 
 
 def _expand(spec: str, split: str) -> list[Source]:
@@ -331,7 +335,12 @@ class Tokenizer:
             bpe = HFTokenizer.from_file(str(path))
         except Exception as e:
             raise PrepareError(f"tokenizer {path}: not a tokenizers tokenizer.json ({e})") from None
-        return cls("bpe", bpe.get_vocab_size(), bpe.token_to_id(END_OF_TEXT), bpe)
+        # Its ids, not their count: a tokenizer.json may leave ids unused, and every id must fit the model.
+        ids = bpe.get_vocab().values()
+        vocab_size = max(bpe.get_vocab_size(), max(ids, default=-1) + 1)
+        if not 0 < vocab_size <= MAX_VOCAB:
+            raise PrepareError(f"tokenizer {path}: {vocab_size} ids; a model here takes 1 to {MAX_VOCAB}")
+        return cls("bpe", vocab_size, bpe.token_to_id(END_OF_TEXT), bpe)
 
     @classmethod
     def train_bpe(cls, texts: Iterator[str], vocab_size: int) -> Tokenizer:

@@ -212,6 +212,14 @@ def test_each_bad_value_is_blamed_on_where_it_came_from(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match=r"^environment variable P2PTRAIN_INNER: inner.foo: unknown key"):
         load_config(path)
     monkeypatch.delenv("P2PTRAIN_INNER")
+    # A section's own check (between its fields) is the file's, not another field's variable's (the image and
+    # the systemd unit set P2PTRAIN_SWARM__IDENTITY_PATH).
+    monkeypatch.setenv("P2PTRAIN_SWARM__IDENTITY_PATH", str(tmp_path / "identity.key"))
+    slow = tmp_path / "slow.yaml"
+    slow.write_text("swarm:\n  heartbeat_s: 15\n")
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(slow))}: swarm.record_ttl_s must be"):
+        load_config(slow)
+    monkeypatch.delenv("P2PTRAIN_SWARM__IDENTITY_PATH")
     with pytest.raises(ConfigError, match=r"^command line: inner.lr: "):
         load_config(path, parse_set(["inner.lr=slow"]))
     with pytest.raises(ConfigError, match=rf"^{re.escape(str(path))}: outer.num_rounds: "):

@@ -119,6 +119,38 @@ def test_sources_are_globs_and_folders_in_order_and_bad_ones_are_refused(tmp_pat
         prepare([str(tmp_path / "binary.txt")], tmp_path / "out")
 
 
+def test_a_prepare_never_reads_what_it_wrote_inside_a_source_folder_and_names_a_source_it_cannot_read(
+    tmp_path,
+):
+    src = write_corpus(tmp_path / "src")
+    first = prepare([str(src)], src / "prepared")
+    again = prepare([str(src)], src / "prepared")  # its manifest and tokens are in src now
+    assert (again.num_tokens, again.sha256) == (first.num_tokens, first.sha256)
+    again = prepare([str(src / "prepared" / "*"), str(src)], src / "prepared")  # a glob of them: none read
+    assert again.sha256 == first.sha256
+    with pytest.raises(PrepareError, match=r"^source x+: cannot read it \(File name too long\)"):
+        expand_sources(["x" * 300])
+
+
+def test_a_tokenizer_whose_ids_leave_gaps_prepares_a_corpus_that_reads_back(tmp_path):
+    """Its vocabulary is its ids (the highest + 1), not their count: a manifest whose end-of-text id is past
+    its vocabulary is refused when read."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models, pre_tokenizers
+
+    from p2ptrain.prepare import END_OF_TEXT
+
+    holes = HFTokenizer(
+        models.WordLevel({"some": 0, "text": 1, "[UNK]": 2, END_OF_TEXT: 7}, unk_token="[UNK]")
+    )
+    holes.pre_tokenizer = pre_tokenizers.Whitespace()
+    holes.save(str(tmp_path / "holes.json"))
+    (tmp_path / "a.txt").write_text("some text some text\n")
+    manifest = prepare([str(tmp_path / "a.txt")], tmp_path / "out", tokenizer=str(tmp_path / "holes.json"))
+    assert (manifest.vocab_size, manifest.end_of_text) == (8, 7)
+    assert Manifest.read(tmp_path / "out").vocab_size == 8
+
+
 def test_a_long_line_is_cut_between_characters_never_inside_one(tmp_path, monkeypatch):
     import p2ptrain.prepare as prepare_module
 
