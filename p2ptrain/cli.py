@@ -14,6 +14,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -62,8 +63,8 @@ MetricsPortOpt = Annotated[
 RunIdOpt = Annotated[
     str | None,
     typer.Option(
-        help="The run to watch (run.run_id; status: by default the swarm's only published run, or the "
-        "config's run.run_id where it publishes none; where it trains several, name one)."
+        help="The run to watch (run.run_id; status, and dht's metrics: by default the swarm's only published "
+        "run, or for status the config's run.run_id where it publishes none; where it trains several, name one)."
     ),
 ]
 DataPathOpt = Annotated[
@@ -517,13 +518,20 @@ def dht(
                 telemetry.serve(cfg.metrics.port, cfg.metrics.host, registry=telemetry.NODE)
             except ConfigError as e:
                 raise fail(str(e), EXIT_USAGE) from None
-            telemetry.set_peer_info(peer_id=node.peer_id.to_base58(), run_id=cfg.run.run_id, device="none")
+            named = "run_id" in cfg.run.model_fields_set
+            telemetry.set_peer_info(
+                peer_id=node.peer_id.to_base58(), run_id=cfg.run.run_id if named else "", device="none"
+            )
+            watch = _watched_run(node, cfg.run.run_id if named else None)
             monitor = telemetry.SwarmMonitor(
-                lambda: live_records(node, cfg.run.run_id), cfg.metrics.swarm_period_s
+                lambda: live_records(node, run) if (run := watch()) else {}, cfg.metrics.swarm_period_s
             )
             monitor.start()
             logs.get_logger("p2ptrain.cli").info(
-                "serving metrics", port=cfg.metrics.port, host=cfg.metrics.host, watching=cfg.run.run_id
+                "serving metrics",
+                port=cfg.metrics.port,
+                host=cfg.metrics.host,
+                watching=cfg.run.run_id if named else "the swarm's only published run",
             )
         while not stop.wait(1.0):
             if not node.is_alive():
@@ -535,6 +543,31 @@ def dht(
             node.shutdown()
         if maddrs_file is not None:  # a stale address would pass for this node's (compose's healthcheck)
             maddrs_file.unlink(missing_ok=True)
+
+
+def _watched_run(node: Any, run_id: str | None) -> Callable[[], str | None]:
+    """The run whose records a bootstrap node's metrics follow: ``run_id``, or where it was not told which,
+    the swarm's only published run (as a joiner and ``status`` take it), looked up at each reading: the
+    node starts before anyone publishes. None while there is none, or several (it says so, once)."""
+    from p2ptrain import logs
+    from p2ptrain.experiment import ExperimentError, choose
+    from p2ptrain.swarm import published_experiments
+
+    said: set[str] = set()
+
+    def watched() -> str | None:
+        if run_id is not None:
+            return run_id
+        try:
+            found = choose(published_experiments(node), None)
+        except ExperimentError as e:
+            if str(e) not in said:
+                said.add(str(e))
+                logs.get_logger("p2ptrain.cli").warning("metrics follow no run", reason=str(e))
+            return None
+        return None if found is None else found.run_id
+
+    return watched
 
 
 @app.command()

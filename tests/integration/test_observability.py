@@ -89,8 +89,7 @@ def test_metrics_status_and_logs_of_a_two_peer_swarm(tmp_path, spawn):
         LOOPBACK,
         "--log-format",
         "json",
-        "--run-id",
-        run_id,
+        # Told no run: its metrics follow the swarm's only published run (the peers' run_id below).
         "--metrics-port",
         str(dht_port),
         "--set",
