@@ -58,7 +58,7 @@ from hivemind.averaging.matchmaking import MatchmakingException, PotentialLeader
 from hivemind.averaging.partition import TensorPartContainer, TensorPartReducer
 from hivemind.compression.serialization import combine_from_streaming
 from hivemind.p2p import P2P, P2PContext, PeerID
-from hivemind.proto import averaging_pb2
+from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils import MPFuture, get_dht_time
 from hivemind.utils.asyncio import (
     achain,
@@ -1505,12 +1505,27 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
             if message.metadata:
                 metadata = self.serializer.loads(message.metadata)
             if message.tensor_part.dtype and parts:  # a dtype marks the first part of the next tensor
-                tensors.append(deserialize(combine_from_streaming(parts)))
+                tensors.append(_state_tensor(combine_from_streaming(parts), peer))
                 parts = []
             parts.append(message.tensor_part)
         if parts:
-            tensors.append(deserialize(combine_from_streaming(parts)))
+            tensors.append(_state_tensor(combine_from_streaming(parts), peer))
         return metadata, tensors
+
+
+def _state_tensor(whole: runtime_pb2.Tensor, donor: PeerID) -> torch.Tensor:
+    """A tensor of a donated state, as every donor sends it: float32 values as they are (hivemind's
+    ``state_compression``, none). Nothing else is decoded: a codec or a wider dtype would make of the bytes
+    a donor may send (``max_state_bytes``) many times as many in memory."""
+    if (
+        whole.compression != runtime_pb2.CompressionType.NONE
+        or whole.dtype != "float32"
+        or len(whole.buffer) != 4 * math.prod(whole.size)
+    ):
+        raise ValueError(
+            f"{donor} sent a tensor that is not float32 values as they are: not a state of this model"
+        )
+    return deserialize(whole)
 
 
 class SwarmAverager:

@@ -37,7 +37,7 @@ from hivemind.compression import (
 )
 from hivemind.proto import runtime_pb2
 
-from p2ptrain.config import AveragingConfig
+from p2ptrain.config import MAX_BLOCK_SIZE, MIN_BLOCK_SIZE, AveragingConfig
 
 # Our codecs' values of the wire enum. hivemind's own end at 5; proto3 keeps unknown values, and
 # p2ptrain's runner decodes with :func:`deserialize`, which knows them.
@@ -127,10 +127,23 @@ class BlockwiseQuantization(CompressionBase):
         )
 
     def extract(self, serialized: runtime_pb2.Tensor) -> torch.Tensor:
+        """Decode a part. Its block size, shape and bytes come from the sender: a block size other than a
+        config's, or bytes other than exactly those of its shape, is refused (ValueError), so that a part
+        never decodes to more values than its shape holds plus one block's padding."""
         buffer = serialized.buffer
+        if len(buffer) < 4:
+            raise ValueError("a blockwise part without its header")
         (B,) = struct.unpack_from("<I", buffer, 0)
+        if not (MIN_BLOCK_SIZE <= B <= MAX_BLOCK_SIZE and B % 2 == 0):
+            raise ValueError(f"a blockwise part of block size {B}: not one a config has")
+        if serialized.dtype not in _BLOCKWISE_DTYPES:
+            raise ValueError(
+                f"a blockwise part of dtype {serialized.dtype[:40]!r}: not a float that is averaged"
+            )
         n = math.prod(serialized.size)
         num_blocks = max(1, math.ceil(n / B))
+        if len(buffer) != 4 + 4 * num_blocks + num_blocks * B * self.bits // 8:
+            raise ValueError(f"a blockwise part of {len(buffer)} bytes for {n} values: not its size")
         # Views of the message's bytes, no copies (read-only, which is all we need).
         scales = torch.from_numpy(np.frombuffer(buffer, dtype=np.float32, count=num_blocks, offset=4))
         raw = np.frombuffer(buffer, dtype=np.int8, offset=4 + 4 * num_blocks)
@@ -143,6 +156,8 @@ class BlockwiseQuantization(CompressionBase):
         dtype = getattr(torch, serialized.dtype) if serialized.dtype else torch.float32
         return values.view(*serialized.size).to(dtype)
 
+
+_BLOCKWISE_DTYPES = ("float32", "float16", "bfloat16")
 
 _OURS: dict[int, CompressionBase] = {}
 

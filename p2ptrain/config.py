@@ -40,6 +40,9 @@ ENV_PREFIX = "P2PTRAIN_"
 _RUN_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")  # fullmatch: "$" would let a trailing newline in
 
 
+MIN_BLOCK_SIZE, MAX_BLOCK_SIZE = 8, 1 << 20
+"""The block sizes of int8 / int4 quantization (averaging.block_size): a part of another is refused."""
+
 MAX_SECONDS = 1e7
 """The longest duration a setting may take (about 116 days): beyond it, clocks and timestamps overflow."""
 
@@ -248,7 +251,7 @@ class AveragingConfig(_Section):
     compression: Literal["none", "fp16", "int8", "int4"] = "int8"
     """Wire format of pseudo-gradients in the all-reduce: none (fp32), fp16, or blockwise int8 / int4 with one
     float32 absmax scale per block (0.254x and 0.129x of fp32's bytes at block_size 256)."""
-    block_size: int = Field(default=256, ge=8, le=1 << 20)
+    block_size: int = Field(default=256, ge=MIN_BLOCK_SIZE, le=MAX_BLOCK_SIZE)
     """Values per quantization block for int8 / int4 (even, at most 1048576). Smaller blocks: less error, more
     scale bytes."""
     small_tensor_numel: int = Field(default=4096, ge=1)

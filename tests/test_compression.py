@@ -104,6 +104,36 @@ def test_a_part_whose_dtype_is_no_plain_name_is_refused_before_it_decodes():
             deserialize(part)
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_blockwise_part_whose_bytes_are_not_those_of_its_shape_is_refused_before_it_decodes(bits):
+    """A sender picks the block size and the bytes: bytes past its shape's, a block size no config has (one of
+    2^21 pads a small part to 2M values), a wider dtype or a short buffer are refused; the padding a block
+    adds is at most one block of a size a config may set."""
+    import struct
+
+    codec = BlockwiseQuantization(bits, block_size=256)
+    x = torch.randn(1000)
+    part = codec.compress(x, CompressionInfo.from_tensor(x))
+    assert deserialize(part).shape == (1000,)
+    wrong = {}
+    for label, change in [
+        ("16 MiB more", lambda p: setattr(p, "buffer", p.buffer + bytes(1 << 24))),
+        ("block size 3", lambda p: setattr(p, "buffer", struct.pack("<I", 3) + p.buffer[4:])),
+        ("block size 2^21", lambda p: setattr(p, "buffer", struct.pack("<I", 1 << 21) + p.buffer[4:])),
+        ("complex128", lambda p: setattr(p, "dtype", "complex128")),
+        ("a byte short", lambda p: setattr(p, "buffer", p.buffer[:-1])),
+        ("no header", lambda p: setattr(p, "buffer", b"\x01")),
+    ]:
+        changed = type(part)()
+        changed.CopyFrom(part)
+        change(changed)
+        wrong[label] = changed
+    for label, changed in wrong.items():
+        with pytest.raises(ValueError, match="a blockwise part"):
+            deserialize(changed)
+            pytest.fail(label)
+
+
 @pytest.mark.parametrize("name", ["int8", "int4"])
 def test_requantizing_across_hivemind_parts_is_lossless(name):
     """Error feedback sends values already on the grid; hivemind's part split must not move the blocks."""

@@ -3,6 +3,7 @@
 
 import math
 
+import pytest
 import torch
 from hivemind.compression import CompressionInfo, NoCompression
 from hivemind.p2p import PeerID
@@ -307,3 +308,24 @@ def test_a_step_given_up_at_its_deadline_does_not_mark_the_newer_steps_group_as_
         return while_newer_runs, averager._pending_groups_registered.is_set()
 
     assert asyncio.run(main()) == (False, True)
+
+
+def test_a_donated_tensor_is_only_ever_float32_values_as_they_are():
+    """A donor's bytes are capped (max_state_bytes), not what they decode to: a codec (int4: 8x) or a wider
+    dtype (complex128: 2x more) would make many times the cap in memory before any shape is checked."""
+    from hivemind.compression import CompressionInfo as Info
+
+    from p2ptrain.averaging import _state_tensor
+
+    donor = PeerID.from_base58("QmXnnyufdzAWL5CqZ2RnSNgPbvCc1ALT73s6epPrRnZ1Xy")
+    x = torch.randn(64, 8)
+    plain = NoCompression().compress(x, Info.from_tensor(x))
+    assert torch.equal(_state_tensor(plain, donor), x)
+    quantized = make_codec("int4").compress(x, Info.from_tensor(x))
+    wide = NoCompression().compress(x.double(), Info.from_tensor(x.double()))
+    short = runtime_pb2.Tensor()
+    short.CopyFrom(plain)
+    short.size[:] = [64, 800]  # 100x the values its bytes hold
+    for crafted in (quantized, wide, short):
+        with pytest.raises(ValueError, match="not float32 values as they are"):
+            _state_tensor(crafted, donor)
