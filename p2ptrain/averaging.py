@@ -1036,7 +1036,10 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
                 wait = max(0.0, min(self.request_timeout, deadline - loop.time()))
                 await asyncio.wait_for(self._pending_groups_registered.wait(), wait)
         await self._admit(remote, "to average its part")
-        request = await anext(stream)
+        try:  # a caller that opens the stream and sends nothing must not hold this handler for good
+            request = await asyncio.wait_for(anext(stream), max(self.request_timeout, deadline - loop.time()))
+        except (asyncio.TimeoutError, StopAsyncIteration):
+            return
         declined = False
         if await self._holds_group(request.group_id, deadline):
             try:

@@ -57,10 +57,16 @@ class PeerState(str, Enum):
     """Shut down. Ignore it, even before its record expires."""
 
 
+MAX_PEER_ID = 64
+"""The longest peer id a record names (libp2p's base58 ids: 46 characters for RSA keys, 52 for ed25519, 53
+for secp256k1): with 128, a key holder's records of the largest size took 40 of them to fill the 4 MiB a
+DHT node answers a read of the run's records with."""
+
+
 class ProgressRecord(BaseModel):
     """What a peer tells the swarm about itself. Stored signed; read by every peer and by monitors."""
 
-    peer_id: constr(strict=True, min_length=1, max_length=128)  # type: ignore[valid-type]
+    peer_id: constr(strict=True, min_length=1, max_length=MAX_PEER_ID)  # type: ignore[valid-type]
     """libp2p peer id (base58), used to download state from this peer."""
     round: conint(strict=True, ge=0, le=MAX_COUNT)  # type: ignore[valid-type]
     """The outer round this peer is in (its params are the global params of this round)."""
@@ -96,7 +102,7 @@ class ProgressRecord(BaseModel):
     """Seconds it has spent in inner phases of this run."""
     rounds_contributed: conint(strict=True, ge=0, le=MAX_COUNT) = 0  # type: ignore[valid-type]
     """Rounds of this run whose outer step it applied with its own pseudo-gradient."""
-    group: conlist(constr(strict=True, min_length=1, max_length=128), max_items=MAX_LISTED) = []  # type: ignore[valid-type]
+    group: conlist(constr(strict=True, min_length=1, max_length=MAX_PEER_ID), max_items=MAX_LISTED) = []  # type: ignore[valid-type]
     """While ``averaging`` with averaging.settled_groups: whom its barrier found ready in ``round``, itself
     included (sorted), published once it passed the barrier; empty before, and once its state or round
     changes (protocol.settle reads it)."""
@@ -105,9 +111,11 @@ class ProgressRecord(BaseModel):
     """Where it trains: device/dtype (cpu/float32, cuda/bfloat16...). Replicas of one class agree closer."""
     shard: constr(strict=True, regex=r"^([0-9]{1,9}/[0-9]{1,9})?$") = ""  # type: ignore[valid-type]
     """The shard of ``round`` it trains, ``index/count`` of the round's assignment."""
-    replicas: conlist(constr(strict=True, min_length=1, max_length=128), max_items=MAX_REPLICAS + 1) = []  # type: ignore[valid-type]
+    replicas: conlist(  # type: ignore[valid-type]
+        constr(strict=True, min_length=1, max_length=MAX_PEER_ID), max_items=MAX_REPLICAS + 1
+    ) = []
     """The replica group it trains that shard with, itself included (sorted)."""
-    roster: conlist(constr(strict=True, min_length=1, max_length=128), max_items=MAX_LISTED) = []  # type: ignore[valid-type]
+    roster: conlist(constr(strict=True, min_length=1, max_length=MAX_PEER_ID), max_items=MAX_LISTED) = []  # type: ignore[valid-type]
     """The roster it computed the round's assignment over (sorted peer ids): the verdict checks every group
     against the assignment over the roster most peers name."""
     seal: constr(strict=True, regex=r"^[0-9a-f]{0,64}$") = ""  # type: ignore[valid-type]
@@ -126,7 +134,9 @@ class ProgressRecord(BaseModel):
     peers that judge later still read its claims (and a verdict that differs from the others' shows)."""
     ref_round: conint(strict=True, ge=-1, le=MAX_COUNT) = -1  # type: ignore[valid-type]
     """As a referee: the round of the dissenting replica group whose shard it recomputed (-1: none)."""
-    ref_group: conlist(constr(strict=True, min_length=1, max_length=128), max_items=MAX_REPLICAS + 1) = []  # type: ignore[valid-type]
+    ref_group: conlist(  # type: ignore[valid-type]
+        constr(strict=True, min_length=1, max_length=MAX_PEER_ID), max_items=MAX_REPLICAS + 1
+    ) = []
     """That group."""
     ref_sketch: conbytes(strict=True, max_length=4 * SKETCH_VALUES) = b""  # type: ignore[valid-type]
     """The sketch of its recomputation, under the group's seed."""

@@ -97,3 +97,19 @@ def test_split_watch_warns_on_rounds_far_apart_but_not_one_apart():
     ] == {"b": 8}
     loading = {**one_apart, "b": rec("b", 0, state="loading", view=view_hash(ids))}
     assert all(watch.observe(t, "a", 5, loading) is None for t in range(200, 300, 5))
+
+
+def test_a_record_names_no_peer_id_longer_than_libp2ps():
+    """Every id a record names is at most MAX_PEER_ID characters (libp2p's are 46 to 53): with 128, a key
+    holder's largest records took 40 identities to fill the 4 MiB a DHT node answers a read of the run with."""
+    import pydantic.v1
+
+    from p2ptrain.records import MAX_PEER_ID
+
+    ed25519 = "12D3KooWGPqLr56TyMWzcrRrD7qKoFtiSXvqtQdMqXhirUxDGfgh"
+    assert rec(ed25519, 1).copy(update={"roster": [ed25519] * 256}).wire()
+    longer = "Q" * (MAX_PEER_ID + 1)
+    for fields in ({"peer_id": longer}, {"roster": [longer]}, {"group": [longer]}, {"replicas": [longer]}):
+        wire = {**rec(ed25519, 1).wire(), **fields}
+        with pytest.raises(pydantic.v1.ValidationError):
+            ProgressRecord.parse_obj(wire)
