@@ -114,6 +114,14 @@ _REFUSAL_MEMORY_S = 2 * _MEMBERS_MAX_AGE_S
 """A groupmate we refused this recently did not stall: hivemind counts it as a sender that never came."""
 
 
+MAX_SERVING = 4
+"""The most state downloads a donor serves at once (one per peer): each holds a copy of the state in the
+averager process while it lasts, so a peer that opens many and reads none must not make it hold more."""
+SERVE_STATE_S = 600.0
+"""How long a donor serves one download at most (the downloader's own timeout,
+swarm.state_download_timeout_s, is 60 s by default): a stream nobody reads ends then, and frees its copy."""
+
+
 class _Stopped(Exception):
     pass
 
@@ -918,6 +926,8 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
         self._members_lock: asyncio.Lock | None = None
         self._reading_members = False
         self._refused_at: dict[str, float] = {}
+        self._serving: dict[str, float] = {}
+        """The peers we are sending our state to, and since when (``rpc_download_state``)."""
         self._groupmates: dict[bytes, set[PeerID]] = {}
         self._held_ids: collections.deque[bytes] = collections.deque(maxlen=64)
         """The ids of the groups we held last (a part sent under one of them is a late one)."""
@@ -1106,10 +1116,31 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
         self, request: averaging_pb2.DownloadRequest, context: P2PContext
     ) -> typing.AsyncIterator[averaging_pb2.DownloadData]:
         await self._admit(context.remote_id, "to send it the state")
-        if self._left_out.excludes(context.remote_id.to_base58(), math.inf):
+        peer = context.remote_id.to_base58()
+        if self._left_out.excludes(peer, math.inf):
             raise PermissionError(f"{self.peer_id} serves no state to {context.remote_id}: it is banned")
-        async for message in super().rpc_download_state(request, context):
-            yield message
+        now = time.monotonic()
+        self._serving = {p: t for p, t in self._serving.items() if now - t < SERVE_STATE_S}
+        if peer in self._serving or len(self._serving) >= MAX_SERVING:
+            # The downloader asks its next donor (hivemind sends the error back to it).
+            raise PermissionError(
+                f"{self.peer_id} is sending its state to {len(self._serving)} peers"
+                + (", this one among them" if peer in self._serving else "")
+                + ": ask another donor"
+            )
+        self._serving[peer] = now
+        # A stream whose reader stalls blocks hivemind's handler in a write that nothing else ends: cancel it
+        # at the deadline (the handler's task is ours alone: hivemind makes one per stream).
+        task = asyncio.current_task()
+        deadline = asyncio.get_running_loop().call_later(SERVE_STATE_S, task.cancel) if task else None
+        try:
+            async for message in super().rpc_download_state(request, context):
+                yield message
+        finally:
+            if deadline is not None:
+                deadline.cancel()
+            if self._serving.get(peer) == now:
+                del self._serving[peer]
 
     def run(self) -> None:
         self._start_parent_watchdog(lambda: self._outer_pipe.send(("_shutdown", [self.shutdown_timeout], {})))

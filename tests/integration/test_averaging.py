@@ -522,6 +522,43 @@ def test_a_donor_that_dies_mid_transfer_hands_over_a_state_the_checksum_refuses(
     assert all(torch.equal(a, b) for a, b in zip(got[2], snapshot.params + snapshot.momentum))
 
 
+def test_a_donor_serves_at_most_max_serving_downloads_at_once_and_frees_each_when_it_ends(
+    swarm_of, monkeypatch
+):
+    """Each download holds a copy of the state in the donor's averager process while it lasts: a peer that
+    opens many and reads none must not make it hold more. Past the cap, a downloader is refused (and asks its
+    next donor); a download that ended frees its place."""
+    from p2ptrain import averaging
+
+    monkeypatch.setattr(averaging, "MAX_SERVING", 1)  # before the averagers fork: their processes take it
+    snapshot = Snapshot(
+        round=3,
+        params=[torch.randn(s) for s in SHAPES],
+        momentum=[torch.randn(s) for s in SHAPES],
+        residuals=[],
+    )
+    started = threading.Event()
+
+    def slow_provider():
+        started.set()
+        time.sleep(3)  # the first download is still being served when the second asks
+        return donation(snapshot, run_id="t", config_hash="c")
+
+    donor, first, second = swarm_of(3, state_providers=[slow_provider, lambda: ({}, []), lambda: ({}, [])])
+    got: dict[str, object] = {}
+    thread = threading.Thread(
+        target=lambda: got.update(first=first.download_state([donor.peer_id], timeout=30))
+    )
+    thread.start()
+    assert started.wait(30), "the first download never reached the donor"
+    assert second.download_state([donor.peer_id], timeout=30) is None, "a second download at once was served"
+    thread.join(60)
+    check = dict(run_id="t", config_hash="c", min_round=3)
+    assert got["first"] is not None and check_state(got["first"][1], got["first"][2], **check) is None
+    again = second.download_state([donor.peer_id], timeout=30)  # the first ended: its place is free
+    assert again is not None and check_state(again[1], again[2], **check) is None
+
+
 def test_a_donor_that_streams_more_than_a_state_of_this_model_is_cut_off(swarm_of):
     huge = [torch.zeros(10**6)]  # 4 MB: hundreds of times what these params and momentum weigh
     newcomer, donor = swarm_of(2, state_providers=[lambda: ({}, []), lambda: ({"round": 1}, huge)])
