@@ -117,9 +117,9 @@ _REFUSAL_MEMORY_S = 2 * _MEMBERS_MAX_AGE_S
 MAX_SERVING = 4
 """The most state downloads a donor serves at once (one per peer): each holds a copy of the state in the
 averager process while it lasts, so a peer that opens many and reads none must not make it hold more."""
-SERVE_STATE_S = 600.0
-"""How long a donor serves one download at most (the downloader's own timeout,
-swarm.state_download_timeout_s, is 60 s by default): a stream nobody reads ends then, and frees its copy."""
+STALLED_DOWNLOAD_S = 60.0
+"""How long a donor waits for a downloader to take the next piece of its state: a stream nobody reads
+ends then, and frees its copy (a slow link only makes each piece slower, never this slow)."""
 
 
 class _Stopped(Exception):
@@ -926,8 +926,9 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
         self._members_lock: asyncio.Lock | None = None
         self._reading_members = False
         self._refused_at: dict[str, float] = {}
-        self._serving: dict[str, float] = {}
-        """The peers we are sending our state to, and since when (``rpc_download_state``)."""
+        self._serving: dict[str, tuple[object, float]] = {}
+        """The peers we are sending our state to: each download's token, and when it last took a piece
+        (``rpc_download_state``)."""
         self._groupmates: dict[bytes, set[PeerID]] = {}
         self._held_ids: collections.deque[bytes] = collections.deque(maxlen=64)
         """The ids of the groups we held last (a part sent under one of them is a late one)."""
@@ -1046,8 +1047,11 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
                 wait = max(0.0, min(self.request_timeout, deadline - loop.time()))
                 await asyncio.wait_for(self._pending_groups_registered.wait(), wait)
         await self._admit(remote, "to average its part")
-        try:  # a caller that opens the stream and sends nothing must not hold this handler for good
-            request = await asyncio.wait_for(anext(stream), max(self.request_timeout, deadline - loop.time()))
+        try:  # a caller that opens the stream and sends nothing must not hold this handler for good (hivemind
+            # gives a sender its whole sender_timeout to begin: twice the group's wait)
+            request = await asyncio.wait_for(
+                anext(stream), max(0.0, deadline + self._group_wait_s() - loop.time())
+            )
         except (asyncio.TimeoutError, StopAsyncIteration):
             return
         declined = False
@@ -1120,7 +1124,9 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
         if self._left_out.excludes(peer, math.inf):
             raise PermissionError(f"{self.peer_id} serves no state to {context.remote_id}: it is banned")
         now = time.monotonic()
-        self._serving = {p: t for p, t in self._serving.items() if now - t < SERVE_STATE_S}
+        # A download that took no piece for twice the stall limit has ended (cancelled below), whether or not
+        # its generator was closed yet.
+        self._serving = {p: v for p, v in self._serving.items() if now - v[1] < 2 * STALLED_DOWNLOAD_S}
         if peer in self._serving or len(self._serving) >= MAX_SERVING:
             # The downloader asks its next donor (hivemind sends the error back to it).
             raise PermissionError(
@@ -1128,18 +1134,24 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
                 + (", this one among them" if peer in self._serving else "")
                 + ": ask another donor"
             )
-        self._serving[peer] = now
+        token = object()  # ours: a finished download of this peer's, closed late, must not free a newer one
+        self._serving[peer] = (token, now)
         # A stream whose reader stalls blocks hivemind's handler in a write that nothing else ends: cancel it
-        # at the deadline (the handler's task is ours alone: hivemind makes one per stream).
-        task = asyncio.current_task()
-        deadline = asyncio.get_running_loop().call_later(SERVE_STATE_S, task.cancel) if task else None
+        # when one piece has waited too long (the handler's task is ours alone: hivemind makes one per stream).
+        # Not the whole download: a large state over a slow link takes as long as it takes.
+        task, loop = asyncio.current_task(), asyncio.get_running_loop()
+        stalled = None
         try:
             async for message in super().rpc_download_state(request, context):
-                yield message
+                stalled = loop.call_later(STALLED_DOWNLOAD_S, task.cancel) if task else None
+                yield message  # hivemind writes it to the stream before it asks for the next
+                if stalled is not None:
+                    stalled.cancel()
+                self._serving[peer] = (token, time.monotonic())
         finally:
-            if deadline is not None:
-                deadline.cancel()
-            if self._serving.get(peer) == now:
+            if stalled is not None:
+                stalled.cancel()
+            if self._serving.get(peer, (None, 0.0))[0] is token:
                 del self._serving[peer]
 
     def run(self) -> None:
@@ -1551,13 +1563,15 @@ def _state_tensor(whole: runtime_pb2.Tensor, donor: PeerID) -> torch.Tensor:
     """A tensor of a donated state, as every donor sends it: float32 values as they are (hivemind's
     ``state_compression``, none). Nothing else is decoded: a codec or a wider dtype would make of the bytes
     a donor may send (``max_state_bytes``) many times as many in memory."""
-    if (
-        whole.compression != runtime_pb2.CompressionType.NONE
-        or whole.dtype != "float32"
-        or len(whole.buffer) != 4 * math.prod(whole.size)
-    ):
+    if whole.compression != runtime_pb2.CompressionType.NONE or whole.dtype != "float32":
         raise ValueError(
             f"{donor} sent a tensor that is not float32 values as they are: not a state of this model"
+        )
+    if len(whole.buffer) < 4 * math.prod(whole.size):
+        raise ValueError(f"{donor} sent a truncated tensor (its stream ended early: it left, or was cut off)")
+    if len(whole.buffer) > 4 * math.prod(whole.size):
+        raise ValueError(
+            f"{donor} sent a tensor of more bytes than its shape holds: not a state of this model"
         )
     return deserialize(whole)
 

@@ -326,6 +326,13 @@ def test_a_donated_tensor_is_only_ever_float32_values_as_they_are():
     short = runtime_pb2.Tensor()
     short.CopyFrom(plain)
     short.size[:] = [64, 800]  # 100x the values its bytes hold
-    for crafted in (quantized, wide, short):
+    for crafted in (quantized, wide):
         with pytest.raises(ValueError, match="not float32 values as they are"):
             _state_tensor(crafted, donor)
+    with pytest.raises(ValueError, match="truncated tensor"):  # a donor that left mid-stream
+        _state_tensor(short, donor)
+    longer = runtime_pb2.Tensor()
+    longer.CopyFrom(plain)
+    longer.buffer += bytes(4 << 20)
+    with pytest.raises(ValueError, match="more bytes than its shape holds"):
+        _state_tensor(longer, donor)
