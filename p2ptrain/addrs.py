@@ -50,6 +50,14 @@ def is_loopback(maddr: str) -> bool:
 MADDRS_FILE_MAX_BYTES = 1 << 20
 
 
+def read_at_most(path: Path, limit: int) -> bytes | None:
+    """The bytes of ``path``, or None if it holds more than ``limit`` (never all of a device such as
+    /dev/zero, or of a huge file). Raises what ``open`` and ``read`` raise."""
+    with open(path, "rb") as f:
+        raw = f.read(limit + 1)
+    return raw if len(raw) <= limit else None
+
+
 def read_maddrs_file(path: Path | None, timeout_s: float) -> list[str]:
     """Multiaddrs from a file written by ``p2ptrain dht --maddrs-file``, waiting for it to appear."""
     if path is None:
@@ -57,9 +65,8 @@ def read_maddrs_file(path: Path | None, timeout_s: float) -> list[str]:
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            with open(path, "rb") as f:
-                raw = f.read(MADDRS_FILE_MAX_BYTES + 1)  # never all of a device or a huge file
-            if len(raw) > MADDRS_FILE_MAX_BYTES:
+            raw = read_at_most(Path(path), MADDRS_FILE_MAX_BYTES)
+            if raw is None:
                 raise SwarmError(
                     f"swarm.initial_peers_file {path}: over {MADDRS_FILE_MAX_BYTES} bytes: not a list of "
                     "multiaddrs (`p2ptrain dht --maddrs-file` writes one)"

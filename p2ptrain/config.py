@@ -32,7 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, SettingsError
 
-from p2ptrain.addrs import check_peer_maddr, parse_multiaddr
+from p2ptrain.addrs import check_peer_maddr, parse_multiaddr, read_at_most
 from p2ptrain.records import MAX_REPLICAS
 
 ENV_PREFIX = "P2PTRAIN_"
@@ -396,9 +396,8 @@ def read_key_file(path: Path) -> bytes:
     the config is loaded, so that `p2ptrain config validate` and every command refuse a bad key before they
     start anything (``membership.read_swarm_key`` reads it for the DHT)."""
     try:
-        with open(path, "rb") as f:
-            raw = f.read(KEY_FILE_MAX_BYTES + 1)  # never all of a device or a huge file: a key is 64 digits
-        if len(raw) > KEY_FILE_MAX_BYTES:
+        raw = read_at_most(path, KEY_FILE_MAX_BYTES)  # a key is 64 digits
+        if raw is None:
             raise ValueError(
                 f"swarm.key_file {path}: not a swarm key (over {KEY_FILE_MAX_BYTES} bytes: a key is 64 "
                 "hexadecimal digits, made by `p2ptrain keygen`)"

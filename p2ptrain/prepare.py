@@ -128,7 +128,12 @@ def expand_sources(specs: Iterable[str], split: str = "train", out: Path | None 
         except OSError as e:  # a name too long, a folder we may not enter
             raise PrepareError(f"source {spec}: cannot read it ({e.strerror or e})") from None
     if out is not None:
-        found = [s for s in found if not _written_by_prepare(s.path, out)]
+        try:
+            written = out.resolve()
+        except (OSError, RuntimeError):  # a symlink loop: nothing a prepare wrote can be in it
+            written = None
+        if written is not None:
+            found = [s for s in found if not _written_by_prepare(s.path, written)]
     if not found:
         raise PrepareError(
             "no sources: give text files, folders, globs, .jsonl or .parquet files, or datasets"
@@ -136,10 +141,10 @@ def expand_sources(specs: Iterable[str], split: str = "train", out: Path | None 
     return found
 
 
-def _written_by_prepare(path: Path, out: Path) -> bool:
-    """Whether ``path`` is one of the files a prepare writes in ``out``."""
+def _written_by_prepare(path: Path, written: Path) -> bool:
+    """Whether ``path`` is one of the files a prepare writes in the (resolved) output folder ``written``."""
     try:
-        folder, written = path.parent.resolve(), out.resolve()
+        folder = path.parent.resolve()
     except (OSError, RuntimeError):  # a symlink loop: nothing a prepare wrote
         return False
     ours = path.name in (MANIFEST, TOKENIZER_FILE) or re.fullmatch(r"tokens-\d+\.bin", path.name) is not None
