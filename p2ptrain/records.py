@@ -19,7 +19,7 @@ from enum import Enum
 from typing import Any
 
 # hivemind's SchemaValidator speaks pydantic v1; the DHT record models use its compatibility module.
-from pydantic.v1 import BaseModel, StrictBool, conbytes, confloat, conint, conlist, constr
+from pydantic.v1 import BaseModel, StrictBool, conbytes, confloat, conint, conlist, constr, validator
 
 MAX_COUNT = 2**53
 """Largest integer a record may carry (exact in a float64, far beyond any real sample count)."""
@@ -60,7 +60,8 @@ class PeerState(str, Enum):
 MAX_PEER_ID = 64
 """The longest peer id a record names (libp2p's base58 ids: 46 characters for RSA keys, 52 for ed25519, 53
 for secp256k1). With 128, a record of the largest size was 102 kB, and 40 of them filled the 4 MiB a DHT
-node answers a read of the run's records with; it is 69 kB now (60 of them)."""
+node answers a read of the run's records with; it was 69 kB with that (60 of them), and is 77 kB since a
+roster names each member's class (54 of them)."""
 
 
 class ProgressRecord(BaseModel):
@@ -118,6 +119,9 @@ class ProgressRecord(BaseModel):
     roster: conlist(constr(strict=True, min_length=1, max_length=MAX_PEER_ID), max_items=MAX_LISTED) = []  # type: ignore[valid-type]
     """The roster it computed the round's assignment over (sorted peer ids): the verdict checks every group
     against the assignment over the roster most peers name."""
+    roster_classes: conlist(constr(strict=True, max_length=32), max_items=MAX_LISTED) = []  # type: ignore[valid-type]
+    """The numeric class of each of ``roster`` (in its order) as it read them at its assignment: the vote on
+    the roster fixes them for the round's verdict."""
     seal: constr(strict=True, regex=r"^[0-9a-f]{0,64}$") = ""  # type: ignore[valid-type]
     """verify.sealed(digest, nonce), published when its inner phase is done, before anyone reveals."""
     digest: constr(strict=True, regex=r"^[0-9a-f]{0,64}$") = ""  # type: ignore[valid-type]
@@ -151,6 +155,12 @@ class ProgressRecord(BaseModel):
 
     class Config:
         extra = "forbid"
+
+    @validator("roster_classes")
+    def _a_class_per_roster_member(cls, classes: list[str], values: dict[str, Any]) -> list[str]:
+        if "roster" in values and len(classes) != len(values["roster"]):
+            raise ValueError(f"{len(classes)} roster classes for {len(values['roster'])} roster members")
+        return classes
 
     def wire(self) -> dict[str, Any]:
         """The record as plain msgpack-able values (the state as its string)."""

@@ -295,8 +295,9 @@ class Trainer:
         self._referee_jobs: list[tuple[verify.Dispute, list[torch.Tensor]]] = []
         self._my_referee_report: tuple[int, tuple[str, ...], torch.Tensor] | None = None
         self._digest = self._nonce = ""
-        self._assigned_over: tuple[int, dict[str, verify.Member]] = (0, {})
-        """Our assignment's seed, and the roster's members as we saw them then."""
+        self._assigned_over: tuple[int, verify.Roster, frozenset[str]] = (0, (), frozenset())
+        """Our assignment's seed, its roster (each member with the class we read), and whom the swarm's
+        reputation trusted then (before this round's referees' strikes)."""
         self.refused: set[str] = set()
         """Peers our averager left out for good (``AverageResult.refused``): ignored like banned ones."""
         self._wire: verify.Wire | None = None
@@ -722,7 +723,13 @@ class Trainer:
             first_step = self.round * cfg.inner.num_inner_steps
             self._shard = f"{rank}/{world}"
             roster = self._roster_claim()
-            claims = dict(self._no_claims(), shard=self._shard, replicas=list(self._replicas), roster=roster)
+            claims = dict(
+                self._no_claims(),
+                shard=self._shard,
+                replicas=list(self._replicas),
+                roster=[p for p, _ in roster],
+                roster_classes=[c for _, c in roster],
+            )
         elif self._sync is not None:  # our round is averaged meanwhile: we train the next one
             # Of the round whose sync is in flight: its outer step may have moved self.round on already.
             rank, world = protocol.next_roster(replace(self.me(), round=self._sync.round), self._visible())
@@ -966,30 +973,30 @@ class Trainer:
             if pid not in self.reputation.banned
         ]
         seed = verify.assignment_seed(self.cfg.run.run_id, self.round, me.params_hash)
-        # What the verdict checks claims against: the assignment over the roster most peers name, with each
-        # peer's class and trust as we saw them now (a referee's strike later this round changes neither).
-        self._assigned_over = (seed, {m.peer: m for m in members})
-        plan = self._plan(tuple(m.peer for m in members))
+        # What the verdict checks claims against: the assignment over the roster most peers name, each member
+        # with the class the vote gives it, trusted as the reputation stands now (alike on every peer: a
+        # referee's strike later this round changes nothing here).
+        trusted = frozenset(p for p in self.reputation.agreed if self.reputation.trusted(p))
+        roster = tuple(sorted((m.peer, m.numeric_class) for m in members))
+        self._assigned_over = (seed, roster, trusted)
+        plan = self._plan(roster)
         index = plan.shard_of(self.peer_id)
         if index is None:  # we are banned in our own view: train the roster rank's shard, nobody counts it
             rank, world = protocol.roster(me, others)
             return rank, world, (self.peer_id,)
         return index, plan.shards, plan.groups[index]
 
-    def _roster_claim(self) -> list[str]:
+    def _roster_claim(self) -> verify.Roster:
         """The roster our record names: none beyond MAX_LISTED peers (the verdict then checks no assignment)."""
-        roster = sorted(self._assigned_over[1])
-        return roster if len(roster) <= MAX_LISTED else []
+        roster = self._assigned_over[1]
+        return roster if len(roster) <= MAX_LISTED else ()
 
-    def _plan(self, roster: tuple[str, ...]) -> verify.Assignment:
-        """The round's assignment over ``roster``: each peer as we saw it at our assignment (or as we see it
-        now, for a peer our roster did not have)."""
-        seed, seen = self._assigned_over
-        others = self._visible() if any(p not in seen for p in roster) else {}  # a DHT read: only if needed
-        members = [
-            seen.get(p) or verify.Member(p, self._numeric_class_of(p, others), self.reputation.trusted(p))
-            for p in roster
-        ]
+    def _plan(self, roster: verify.Roster) -> verify.Assignment:
+        """The round's assignment over ``roster``: each member of the class it names, trusted as the swarm's
+        reputation stood at our assignment. Nothing here is read from the swarm now: peers that read the
+        same claims must plan alike, whatever a member's record says by the time each of them judges."""
+        seed, _, trusted = self._assigned_over
+        members = [verify.Member(p, c, p in trusted) for p, c in roster]
         v = self.cfg.verification
         return verify.assign(members, seed, replicas=v.replicas, audit_fraction=v.audit_fraction)
 
@@ -1059,7 +1066,7 @@ class Trainer:
                 nonce=self._nonce,
                 sketch=None if sketch is None else sketch.double(),  # as the others read it from our record
                 parts=wire.digests,
-                roster=tuple(self._roster_claim()),
+                roster=self._roster_claim(),
             )
         )
         self.settle_disputes(round_)  # referees' reports on earlier rounds: strikes and bans count from now
@@ -1905,7 +1912,16 @@ class Trainer:
         if not self.verifying:
             return {}
         return dict(
-            shard="", replicas=[], roster=[], seal="", digest="", nonce="", parts=b"", sketch=b"", verdict=""
+            shard="",
+            replicas=[],
+            roster=[],
+            roster_classes=[],
+            seal="",
+            digest="",
+            nonce="",
+            parts=b"",
+            sketch=b"",
+            verdict="",
         )
 
     def _others(self) -> dict[str, ProgressRecord]:

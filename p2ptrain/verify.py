@@ -321,6 +321,10 @@ class Member:
     trusted: bool
 
 
+Roster = tuple[tuple[str, str], ...]
+"""A round's roster as its claims name it: (peer, numeric class) of each member, sorted by peer."""
+
+
 @dataclass(frozen=True)
 class Assignment:
     groups: tuple[tuple[str, ...], ...]
@@ -517,8 +521,9 @@ class Claim:
     sketch: torch.Tensor | None = None
     parts: bytes = b""
     """The digests of the parts it sends (:attr:`Wire.digests`): ``digest`` is their hash."""
-    roster: tuple[str, ...] = ()
-    """The roster it computed the round's assignment over (sorted peer ids)."""
+    roster: Roster = ()
+    """The roster it computed the round's assignment over: each member and its numeric class as the peer read
+    them then, sorted by peer."""
 
     @classmethod
     def of(cls, record: ProgressRecord) -> Claim:
@@ -537,14 +542,16 @@ class Claim:
             nonce=record.nonce,
             sketch=sketch,
             parts=record.parts,
-            roster=tuple(record.roster),
+            roster=tuple(zip(record.roster, record.roster_classes)),  # the schema makes them alike in length
         )
 
-    def report(self) -> Report:
-        """Its sketch as a :class:`Report` (only for a claim that has one)."""
+    def report(self, classes: Mapping[str, str] | None = None) -> Report:
+        """Its sketch as a :class:`Report` (only for a claim that has one), of the numeric class ``classes``
+        gives it (the round's roster's: :attr:`RoundVerdict.classes`), else of the one it claims."""
         if self.sketch is None:
             raise ValueError(f"{self.peer} published no sketch")
-        return Report(self.peer, self.numeric_class, self.sketch, float(self.sketch.norm()))
+        numeric_class = (classes or {}).get(self.peer, self.numeric_class)
+        return Report(self.peer, numeric_class, self.sketch, float(self.sketch.norm()))
 
     @property
     def revealed(self) -> bool:
@@ -583,6 +590,10 @@ class RoundVerdict:
     """Replica groups (of two or more) that agree."""
     dissent: tuple[tuple[str, ...], ...]
     distances: dict[tuple[str, str], float]
+    classes: dict[str, str] = field(default_factory=dict)
+    """The numeric class each peer of the round's roster was judged as: the roster's, as the peers that named
+    it read it at their assignment (never the class a claim states as the verdict reads it, which its peer
+    could change between two honest peers' reads)."""
 
     def digest(self) -> str:
         """A short hash of who counts with what share and who is left out why: equal on peers that agree."""
@@ -590,10 +601,16 @@ class RoundVerdict:
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def consensus_roster(claims: Sequence[Claim], trusted: Callable[[str], bool]) -> tuple[str, ...] | None:
-    """The roster a round's assignment was computed over, as its claims name it: the one named by the most
-    trusted claimants (by all claimants while none is trusted: new identities cannot outvote trusted peers,
-    however many they are); a tie goes to the smallest. None if no claim names one."""
+def consensus_roster(claims: Sequence[Claim], trusted: Callable[[str], bool]) -> Roster | None:
+    """The roster a round's assignment was computed over, as its claims name it, each member with its numeric
+    class: the one named by the most trusted claimants (by all claimants while none is trusted: new
+    identities cannot outvote trusted peers, however many they are); a tie goes to the smallest. None if no
+    claim names one.
+
+    The classes are part of what is voted on: the assignment pairs replicas by class and the verdict's
+    tolerances depend on it, so they are fixed by the vote, never read from a member's record at the verdict
+    (a peer that changed its class between two honest peers' reads would otherwise give them different
+    assignments and different verdicts)."""
     voters = [c for c in claims if c.roster and trusted(c.peer)] or [c for c in claims if c.roster]
     if not voters:
         return None
@@ -617,7 +634,7 @@ def judge_round(
     trusted: Callable[[str], bool],
     banned: Callable[[str], bool] = lambda peer: False,
     tolerances: Tolerances | None = None,
-    plan: Callable[[tuple[str, ...]], Assignment] | None = None,
+    plan: Callable[[Roster], Assignment] | None = None,
 ) -> RoundVerdict:
     """The verdict on a verifiable round: a pure function of its claims, so every honest peer reaches it.
 
@@ -630,11 +647,13 @@ def judge_round(
     over the roster the claims name (:func:`consensus_roster`): a group counts only if it is the group the
     assignment gives its shard, and a trusted peer in an incomplete group only if it claims its assigned
     group, or to have trained alone where the assignment left it alone or its partners left without a
-    claim. Peers do not choose their partners, nor dodge an audit.
+    claim. Peers do not choose their partners, nor dodge an audit. Replicas are then compared as of the
+    numeric classes that roster gives them, not the ones their claims state.
     """
     by_peer = {c.peer: c for c in claims}
     roster = consensus_roster(claims, trusted) if plan is not None else None
     expected = plan(roster) if plan is not None and roster is not None else None
+    classes = dict(roster or ())
 
     def assigned(group: tuple[str, ...], shard: str) -> bool:
         if expected is None:  # no plan, or no claim names a roster (a round of more than MAX_LISTED peers)
@@ -696,7 +715,7 @@ def judge_round(
             for m in mates:
                 left_out[m.peer] = Why.UNREVEALED
             continue
-        reports = [m.report() for m in mates]
+        reports = [m.report(classes) for m in mates]
         verdict = judge(reports, tolerances)
         distances.update(verdict.distances)
         if verdict.outcome == Outcome.AGREE:
@@ -707,7 +726,7 @@ def judge_round(
             dissent.append(group)
             for m in mates:
                 left_out[m.peer] = Why.DISSENT
-    return RoundVerdict(shares, left_out, tuple(agreed), tuple(dissent), distances)
+    return RoundVerdict(shares, left_out, tuple(agreed), tuple(dissent), distances, classes)
 
 
 def sealed_parts(
@@ -877,7 +896,7 @@ def disputes(
         referee = referee_for(group, list(verdict.shares), run_id=run_id, round=round, trusted=trusted)
         if referee is None:
             continue
-        reports = tuple(m.report() for m in members)
+        reports = tuple(m.report(verdict.classes) for m in members)
         seed = group_seed(run_id, round, [m.nonce for m in members])
         found.append(Dispute(round, tuple(group), members[0].shard, seed, referee, reports))
         if len(found) == Dispute.MAX_PER_ROUND:

@@ -122,6 +122,9 @@ class Injector:
         # yet said), it reads the peer as paused: a peer that turned ready as the barriers passed, which one
         # barrier saw and another did not wait for.
         self.unseen_at_barrier: dict[str, tuple[str, int]] = {}
+        # observer -> {peer: numeric class}: the observer reads those peers' records with that class, as if
+        # each had changed its class between the observer's read and the other peers' (a hostile insider).
+        self.misread_class: dict[str, dict[str, str]] = {}
 
     def fail_at(self, peer: str | None, point: Point, round: int | None = None) -> None:
         self._faults.append(Fault(peer, point, round))
@@ -318,6 +321,9 @@ class MemoryBoard:
             hidden = records.get(peer.swarm.peer_id(unseen[0]))
             if not status.get("group") and hidden is not None and hidden.round == unseen[1]:
                 records = {**records, hidden.peer_id: hidden.copy(update={"state": PeerState.PAUSED})}
+        for name, numeric_class in peer.swarm.injector.misread_class.get(peer.name, {}).items():
+            if (r := records.get(peer.swarm.peer_id(name))) is not None:
+                records = {**records, r.peer_id: r.copy(update={"numeric_class": numeric_class})}
         for observe in self._subscribers:  # as swarm.Swarm: every reading reaches its subscribers
             observe(records)
         return records

@@ -113,3 +113,15 @@ def test_a_record_names_no_peer_id_longer_than_libp2ps():
         wire = {**rec(ed25519, 1).wire(), **fields}
         with pytest.raises(pydantic.v1.ValidationError):
             ProgressRecord.parse_obj(wire)
+
+
+def test_a_roster_names_one_class_per_member():
+    """The roster a verifiable round's record names comes with each member's numeric class, in its order:
+    the vote on the roster fixes the classes, so a record with a class too many or too few is refused."""
+    import pydantic.v1
+
+    wire = {**rec("a", 1).wire(), "roster": ["a", "b"], "roster_classes": ["cpu/float32", "cuda/bfloat16"]}
+    assert ProgressRecord.parse_obj(wire).roster_classes == ["cpu/float32", "cuda/bfloat16"]
+    for classes in (["cpu/float32"], ["cpu/float32"] * 3, []):
+        with pytest.raises(pydantic.v1.ValidationError, match="roster_classes"):
+            ProgressRecord.parse_obj({**wire, "roster_classes": classes})

@@ -266,6 +266,31 @@ def test_colluders_that_claim_each_other_against_the_assignment_never_count(tmp_
     assert peers["a"].trainer.diloco.params_hash() == peers["b"].trainer.diloco.params_hash()
 
 
+def test_a_class_changed_between_two_peers_reads_gives_them_the_same_verdict(tmp_path):
+    """The assignment pairs replicas by numeric class. A key holder that changes its class between two honest
+    peers' reads at their assignments (here: peer a reads c and d as bfloat16, the others read float32) must
+    not give them different verdicts: the roster's vote fixes every member's class, and peers that read the
+    same claims plan alike. a trained in a group of its own view: that costs a its work, nothing more."""
+    swarm = MemorySwarm()
+    swarm.injector.misread_class["a"] = {"c": "cpu/bfloat16", "d": "cpu/bfloat16"}
+    names = ["a", "b", "c", "d"]
+    peers = {n: PeerThread(swarm, n, cfg, RemembersPlans) for n, cfg in _configs(tmp_path, names).items()}
+    finish(peers)
+    by_round: dict[int, dict[str, str]] = {}
+    for name, p in peers.items():
+        for r, verdict in p.trainer.verdicts:
+            by_round.setdefault(r, {})[name] = verdict.digest()
+    assert by_round and all(len(set(d.values())) == 1 for d in by_round.values()), by_round
+    a, b = peers["a"].trainer, peers["b"].trainer
+    differed = [r for r in a.plans if r in b.plans and a.plans[r] != b.plans[r]]
+    assert differed, "a's misread classes never changed its assignment: this test tests nothing"
+    a_id = swarm.peer_id("a")
+    for r in differed:  # a trained the group of its own view, which the round's roster does not give it
+        verdict = dict(b.verdicts)[r]
+        assert verdict.left_out.get(a_id) in (Why.MISASSIGNED, Why.UNMATCHED), (r, verdict)
+    assert_swarm_contract(tmp_path, peers, names)
+
+
 def _configs(tmp_path, names, **verification):
     from tests.memswarm import fast_config
 

@@ -280,7 +280,7 @@ def claim(
     shard: str = "0/2",
     nonce: str = "ab",
     cls="cpu/float32",
-    roster: tuple[str, ...] = (),
+    roster=(),
 ):
     """A peer's honest claim: sealed, revealed, sketched under its group's seed."""
     w = wire(work, NoCompression())
@@ -297,8 +297,13 @@ def claim(
         nonce,
         sketched,
         parts=w.digests,
-        roster=roster,
+        roster=as_roster(roster),
     )
+
+
+def as_roster(members):
+    """A claim's roster from peer ids (of class cpu/float32) or from (peer, class) pairs."""
+    return tuple(sorted((m, "cpu/float32") if isinstance(m, str) else tuple(m) for m in members))
 
 
 def verdict_of(claims, trusted=(), banned=()):
@@ -605,7 +610,10 @@ def test_reducers_learn_each_counted_peers_seal_and_its_groups_seed():
 def planner(trusted=(), audit_fraction=0.0):
     """The round's assignment over a roster, as the trainer's ``_plan`` computes it."""
     return lambda roster: assign(
-        [Member(p, "cpu/float32", p in trusted) for p in roster], 5, replicas=2, audit_fraction=audit_fraction
+        [Member(p, c, p in trusted) for p, c in as_roster(roster)],
+        5,
+        replicas=2,
+        audit_fraction=audit_fraction,
     )
 
 
@@ -668,3 +676,41 @@ def test_the_roster_is_the_one_trusted_claimants_name_and_new_identities_cannot_
     v = judge_round(claims, run_id="r", round=3, trusted=trusted.__contains__, plan=planner(trusted))
     assert {"a", "b", "c", "d"} <= set(v.shares)
     assert all(v.left_out[s] == Why.MISASSIGNED for s in fake), v.left_out
+
+
+def test_replicas_are_judged_by_the_classes_the_roster_vote_gives_them_not_by_their_claims():
+    """A claim's numeric class is what its peer's record says when the verdict reads it, which the peer can
+    change between two honest peers' reads; the roster's vote fixes each member's class for the round (the
+    plan's pairing, the verdict's tolerances and a dispute's reports alike)."""
+    work = delta(0)
+    near = nearby(work, 0.1)  # within the mixed tolerance (0.15), beyond the same-class one (0.02)
+    peers, x = ["a", "b", "c", "d"], "b"
+
+    def judged(roster, x_claims):
+        plan = planner()(roster)
+        claims = [
+            claim(
+                p,
+                group,
+                near if p == x else work,
+                shard=f"{i}/{plan.shards}",
+                cls=x_claims if p == x else "cpu/float32",
+                roster=roster,
+            )
+            for i, group in enumerate(plan.groups)
+            for p in group
+        ]
+        v = judge_round(claims, run_id="r", round=3, trusted=lambda p: False, plan=planner())
+        return claims, v, next(g for g in plan.groups if x in g)
+
+    # x's record says bfloat16 by the time the verdict reads it, but the roster says float32: dissent.
+    claims, v, group = judged(as_roster(peers), "cuda/bfloat16")
+    assert v.dissent == (group,) and v.classes[x] == "cpu/float32", v
+    # The dispute carries the classes the group was judged as: the referee is compared with those.
+    (d,) = disputes(v, claims, run_id="r", round=3, trusted=lambda p: False)
+    assert [r.numeric_class for r in d.reports] == ["cpu/float32", "cpu/float32"]
+    # And the other way: a roster that names x bfloat16 compares it as such, whatever its record says now.
+    claims, v, group = judged(
+        as_roster([(x, "cuda/bfloat16") if p == x else p for p in peers]), "cpu/float32"
+    )
+    assert group in v.agreed and not v.dissent, v
