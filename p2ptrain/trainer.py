@@ -716,6 +716,7 @@ class Trainer:
         if self.verifying:
             ramp = functools.partial(round_warmup, steps=cfg.verification.round_warmup_steps)
             self._await_roster()
+            self._realign_reputation()
             rank, world, self._replicas = self.assignment()
             # Replicas do the same steps: with rounds by time, what the slowest of them fits in the round.
             steps = self._replica_steps(self._replicas, self._benchmarks())
@@ -985,6 +986,38 @@ class Trainer:
             rank, world = protocol.roster(me, others)
             return rank, world, (self.peer_id,)
         return index, plan.shards, plan.groups[index]
+
+    def _realign_reputation(self) -> None:
+        """Take the swarm's reputation where ours drifted from it (:func:`verify.swarm_reputation`): download
+        our round's state from a trusted peer whose record carries the digest most trusted peers carry, and
+        take its reputation only if it is exactly that one. Our params are theirs: only the reputation (and
+        the disputes pending with it) changes."""
+        me = self.me()
+        peers = [
+            r
+            for r in live(self._visible()).values()
+            if r.round == self.round
+            and r.state in (PeerState.TRAINING, PeerState.AVERAGING)
+            and r.params_hash == me.params_hash
+            and self.reputation.trusted(r.peer_id)
+        ]
+        mine = self._reputation_digest()
+        target = verify.swarm_reputation(
+            mine, [r.reputation for r in peers], trusted_self=self.reputation.trusted(self.peer_id)
+        )
+        if target is None:
+            return
+        donors = sorted(r.peer_id for r in peers if r.reputation == target and r.serves)
+        self.log.warning(
+            "our reputation is not the one most trusted peers carry: taking theirs",
+            round=self.round,
+            ours=mine or "none",
+            theirs=target,
+            of=len(peers),
+        )
+        self.load_state(
+            donors, why="realign", expect=me.params_hash, round=self.round, reputation_digest=target
+        )
 
     def _roster_claim(self) -> verify.Roster:
         """The roster our record names: none beyond MAX_LISTED peers (the verdict then checks no assignment)."""
@@ -1689,6 +1722,7 @@ class Trainer:
         rebase: bool = False,
         round: int | None = None,
         min_round: int = 0,
+        reputation_digest: str | None = None,
     ) -> bool:
         """Download a donor's state, check it, and adopt it. Donors that fail are asked again only later.
 
@@ -1702,11 +1736,18 @@ class Trainer:
             rebase: keep our inner progress (our pseudo-gradient) on top of the new params; otherwise the
                 model restarts from the downloaded params.
             round: accept only a state of this round; min_round: of this round or later.
+            reputation_digest: take the donor's reputation only if it is exactly this one (most trusted
+                peers carry it: :meth:`_realign_reputation`), rather than if the records back it.
         """
         for donor in donors:
             delta = self.diloco.pseudo_gradient() if rebase else None
             problem = self._adopt_state_of(
-                donor, expect=expect, round=round, min_round=min_round, reputation=not rebase
+                donor,
+                expect=expect,
+                round=round,
+                min_round=min_round,
+                reputation=not rebase,
+                reputation_digest=reputation_digest,
             )
             if problem is not None:
                 self.log.warning("refused a state", donor=donor[-8:], reason=problem)
@@ -1735,12 +1776,19 @@ class Trainer:
         return False
 
     def _adopt_state_of(
-        self, donor: str, *, expect: str, round: int | None, min_round: int, reputation: bool = True
+        self,
+        donor: str,
+        *,
+        expect: str,
+        round: int | None,
+        min_round: int,
+        reputation: bool = True,
+        reputation_digest: str | None = None,
     ) -> str | None:
         """Download ``donor``'s state, check it and load it into DiLoCo; None, or why it was refused.
 
         ``reputation``: also take the swarm's reputation from it (not in a rebase: that is the same round,
-        whose verdict we reach ourselves)."""
+        whose verdict we reach ourselves); ``reputation_digest``: only if it is exactly this one."""
         got = fetch_state(
             self.averager,
             donor,
@@ -1767,7 +1815,14 @@ class Trainer:
         adopted: verify.Reputation | None = None
         disputes: list[verify.Dispute] = []
         if self.verifying and reputation:  # trust and bans are the swarm's: newcomers judge as the swarm does
-            adopted, pending, problem = self._backed_reputation(meta.get("reputation"), donor, meta["round"])
+            if reputation_digest is not None:
+                adopted, pending, problem = self._reputation_of_digest(
+                    meta.get("reputation"), reputation_digest
+                )
+            else:
+                adopted, pending, problem = self._backed_reputation(
+                    meta.get("reputation"), donor, meta["round"]
+                )
             if problem is not None:
                 return problem
             # Taken by the lists alone, with disputes nobody vouched for: ours then differs from the swarm's
@@ -1801,13 +1856,7 @@ class Trainer:
         none carries one (a swarm of an older release, or all moved on), the lists of trusted, struck and
         banned peers must match, or we keep ours, and the disputes are not taken: only a digest vouches for
         them (a forged one could strike an honest peer in our eyes alone)."""
-        offered = verify.Reputation(
-            rounds_to_trust=self.reputation.rounds_to_trust,
-            strikes_to_ban=self.reputation.strikes_to_ban,
-            window=self.reputation.window,
-        )
-        offered.restore(saved)
-        disputes = verify.Dispute.pending_of(saved)
+        offered, disputes = _offered(self.reputation, saved)
         others = [
             r for r in live(self._others()).values() if r.peer_id != donor and r.state != PeerState.LOADING
         ]
@@ -1841,17 +1890,34 @@ class Trainer:
             return None, [], None
         return offered, (None if disputes else []), None
 
+    def _reputation_of_digest(
+        self, saved: object, digest: str
+    ) -> tuple[verify.Reputation | None, list[verify.Dispute] | None, str | None]:
+        """A donor's reputation and its pending disputes if their digest is ``digest``, else why not (as
+        :meth:`_backed_reputation` returns them)."""
+        offered, disputes = _offered(self.reputation, saved)
+        served = verify.Reputation.digest_of(verify.donated(offered, disputes))
+        if served != digest:
+            return (
+                None,
+                [],
+                f"its reputation (digest {served}) is not the one most trusted peers carry ({digest})",
+            )
+        return offered, disputes, None
+
+    def _reputation_digest(self) -> str:
+        """The digest our record carries of the reputation we donate ("": ours is not backed by the swarm)."""
+        if not self._reputation_backed:
+            return ""
+        return verify.Reputation.digest_of(self._reputation_at_step)
+
     def _reputation_as_of_step(self) -> dict:
         """Take the reputation as it is now as the one we donate with our round's state (at a round change),
         and the record field that says which it is."""
         self._reputation_at_step = verify.donated(self.reputation, self.disputes)
         if not self.verifying:
             return {}
-        return {
-            "reputation": verify.Reputation.digest_of(self._reputation_at_step)
-            if self._reputation_backed
-            else ""
-        }
+        return {"reputation": self._reputation_digest()}
 
     def _donation(self) -> tuple[dict, list[torch.Tensor]]:
         """What a newcomer downloads from us: global params, outer momentum, round (a consistent snapshot),
@@ -1957,3 +2023,13 @@ class Trainer:
     def checkpoint_dir(self) -> Path:
         assert self.peer_dir is not None, "setup() claims it"
         return self.peer_dir.path
+
+
+def _offered(ours: verify.Reputation, saved: object) -> tuple[verify.Reputation, list[verify.Dispute]]:
+    """A donated reputation, under our settings (its counts; none of them where it is malformed), and the
+    disputes pending with it."""
+    offered = verify.Reputation(
+        rounds_to_trust=ours.rounds_to_trust, strikes_to_ban=ours.strikes_to_ban, window=ours.window
+    )
+    offered.restore(saved)
+    return offered, verify.Dispute.pending_of(saved)

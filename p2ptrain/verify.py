@@ -484,6 +484,27 @@ class Reputation:
         self.banned = set(banned)
 
 
+def swarm_reputation(mine: str, trusted_digests: Sequence[str], *, trusted_self: bool) -> str | None:
+    """The reputation digest to take instead of ours (``mine``; empty: ours is not backed by the swarm), or
+    None: where more than half of the trusted peers of our round (``trusted_digests``, each the digest its
+    record carries; with ours too where we are ``trusted_self``) carry one digest, and it is not ours.
+
+    Peers that read different claims of a round (a key holder showed each another record) reach different
+    verdicts, and count agreement and strikes differently from then on: this puts a drifted peer back on the
+    swarm's reputation a round later. Only trusted peers have a say: any number of new identities must not
+    hand anyone a reputation; where the trusted are split evenly, nobody moves.
+    """
+    votes = Counter(d for d in trusted_digests if d)
+    if mine and trusted_self:
+        votes[mine] += 1
+    if not votes:
+        return None
+    digest, count = votes.most_common(1)[0]
+    if count * 2 <= votes.total() or digest == mine:
+        return None
+    return digest
+
+
 # ------------------------------------------------------------------------------- a verifiable round
 
 

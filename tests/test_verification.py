@@ -291,6 +291,46 @@ def test_a_class_changed_between_two_peers_reads_gives_them_the_same_verdict(tmp
     assert_swarm_contract(tmp_path, peers, names)
 
 
+class CountsOtherwise(Trainer):
+    """An honest peer that reads round 1's claims otherwise than the others (as a key holder that shows each
+    peer another record can make it): its reputation counts one more agreement for itself from then on."""
+
+    def verify_round(self, group, stats):
+        out = super().verify_round(group, stats)
+        if self.verdicts[-1][0] == 1:
+            self.reputation.agree([self.peer_id])
+        return out
+
+
+def test_a_peer_whose_reputation_drifted_takes_the_one_most_trusted_peers_carry(tmp_path):
+    """d's reputation counts otherwise than the others' after round 1, so its record carries another digest
+    into round 2: it downloads round 2's state from a trusted peer that carries the majority's digest and
+    takes that reputation, and only that one (the first donor serves another, and is refused)."""
+    swarm = MemorySwarm()
+
+    def one_more_round_each(metadata: dict, tensors: list) -> tuple[dict, list]:
+        saved = metadata["reputation"]
+        metadata["reputation"] = {**saved, "agreed": {p: n + 1 for p, n in saved["agreed"].items()}}
+        return metadata, tensors
+
+    swarm.injector.tamper_donation = one_more_round_each  # the first state served: d's realignment's
+    names = ["a", "b", "c", "d"]
+    peers = {
+        n: PeerThread(swarm, n, cfg, CountsOtherwise if n == "d" else Trainer)
+        for n, cfg in _configs(tmp_path, names, rounds_to_trust=1).items()
+    }
+    finish(peers)
+    assert_swarm_contract(tmp_path, peers, names)
+    d = peers["d"].trainer
+    assert ("realign", 2) in d.loads, d.loads
+    [hostile] = swarm.injector.tampered_donors
+    refused = [why for donor, why in d.refusals if donor == hostile]
+    assert refused and "not the one most trusted peers carry" in refused[0], d.refusals
+    reputations = {n: p.trainer.reputation.to_dict() for n, p in peers.items()}
+    assert all(r == reputations["a"] for r in reputations.values()), reputations
+    assert all(p.trainer.reputation.trusted(swarm.peer_id(n)) for n, p in peers.items())
+
+
 def _configs(tmp_path, names, **verification):
     from tests.memswarm import fast_config
 

@@ -45,6 +45,7 @@ from p2ptrain.verify import (
     sketch,
     sketch_layout,
     sketch_seed,
+    swarm_reputation,
     tolerance,
     wire,
 )
@@ -714,3 +715,16 @@ def test_replicas_are_judged_by_the_classes_the_roster_vote_gives_them_not_by_th
         as_roster([(x, "cuda/bfloat16") if p == x else p for p in peers]), "cpu/float32"
     )
     assert group in v.agreed and not v.dissent, v
+
+
+def test_a_drifted_reputation_takes_the_one_most_trusted_peers_carry_and_only_that():
+    # Three trusted peers carry D, we carry E (we read a round's claims otherwise): we take D.
+    assert swarm_reputation("E", ["D", "D", "D"], trusted_self=True) == "D"
+    assert swarm_reputation("", ["D", "D"], trusted_self=False) == "D"  # ours was never backed
+    # We are the majority, or nobody is: nobody moves (an even split is not for one side to settle).
+    assert swarm_reputation("D", ["D", "E"], trusted_self=True) is None
+    assert swarm_reputation("E", ["D"], trusted_self=True) is None
+    assert swarm_reputation("E", ["D", "F"], trusted_self=False) is None
+    # Peers that carry no digest have no say, and where nobody trusted carries one there is nothing to take.
+    assert swarm_reputation("E", ["", "", "D"], trusted_self=False) == "D"
+    assert swarm_reputation("E", [], trusted_self=True) is None
