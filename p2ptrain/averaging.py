@@ -765,6 +765,7 @@ class LeftOut:
 
     def __init__(self) -> None:
         self._until: dict[str, float] = {}
+        self._banned: set[str] = set()  # by the swarm's reputation (a ban can be lifted; a fault seen stands)
         self._stalls: dict[str, int] = {}
         self._last_stall: dict[str, int] = {}
         self._absent: dict[str, int] = {}  # the round each peer was last absent in (Fault.ABSENT)
@@ -795,9 +796,17 @@ class LeftOut:
         leader that accepted us and sent no group)."""
         self._until[peer] = max(self._until.get(peer, -1), round)
 
+    def ban(self, peer: str) -> None:
+        """Leave ``peer`` out for good: the swarm's reputation bans it."""
+        self._banned.add(peer)
+
+    def unban(self, peer: str) -> None:
+        """Lift :meth:`ban` (faults we saw ourselves stand)."""
+        self._banned.discard(peer)
+
     def excludes(self, peer: str, round: float) -> bool:
         absent = self._absent.get(peer) == round and not self._explains(round)
-        return absent or round <= self._until.get(peer, -1)
+        return peer in self._banned or absent or round <= self._until.get(peer, -1)
 
     def _explains(self, round: float) -> bool:
         """Whether a groupmate misbehaved in ``round``, which explains an absence in it (``Fault.ABSENT``)."""
@@ -805,7 +814,7 @@ class LeftOut:
 
     def for_good(self) -> list[str]:
         """The peers left out for the rest of the run."""
-        return sorted(p for p, until in self._until.items() if until == math.inf)
+        return sorted({p for p, until in self._until.items() if until == math.inf} | self._banned)
 
     def for_a_while(self, round: int) -> list[str]:
         """The peers left out of rounds after ``round``, not for good (they stalled)."""
@@ -1332,8 +1341,8 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
     ) -> None:
         try:
             for peer in peers:
-                if round == math.inf:
-                    self._left_out.fault(peer, Fault.MISBEHAVED, self._round)
+                if round == math.inf:  # a ban: the swarm's reputation's, which a realignment may lift
+                    self._left_out.ban(peer)
                 else:
                     self._left_out.for_round(peer, int(round))
             if weights:
@@ -1345,6 +1354,17 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
         except BaseException as e:
             future.set_exception(e)
             raise
+        future.set_result(None)
+
+    def unban(self, peers: Sequence[str]) -> None:
+        """Lift a ban (``leave_out(peers, math.inf)``) from ``peers``; faults we saw ourselves stand."""
+        future = MPFuture()
+        self._outer_pipe.send(("_unban", [], dict(peers=list(peers), future=future)))
+        future.result(timeout=_PIPE_TIMEOUT_S)
+
+    async def _unban(self, peers: list[str], future: MPFuture) -> None:
+        for peer in peers:
+            self._left_out.unban(peer)
         future.set_result(None)
 
     def left_out_of(self, peers: Sequence[str], round: int) -> list[str]:
@@ -1732,6 +1752,9 @@ class SwarmAverager:
 
     def ban(self, peers: Sequence[str]) -> None:
         self._averager.leave_out(peers, math.inf)
+
+    def unban(self, peers: Sequence[str]) -> None:
+        self._averager.unban(peers)
 
     def left_out_of(self, peers: Sequence[str], round: int) -> list[str]:
         return self._averager.left_out_of(peers, round)

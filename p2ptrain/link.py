@@ -96,6 +96,10 @@ class PeerAverager(Protocol):
     def ban(self, peers: Sequence[str]) -> None:
         """Never average with ``peers`` again, nor serve them our state."""
 
+    def unban(self, peers: Sequence[str]) -> None:
+        """Lift :meth:`ban` from ``peers`` (the swarm's reputation does not ban them: ours had drifted). What
+        our averager saw them do itself still stands."""
+
     def left_out_of(self, peers: Sequence[str], round: int) -> list[str]:
         """Those of ``peers`` we do not average with in ``round`` (faults seen, bans, a verdict)."""
         ...

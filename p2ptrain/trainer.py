@@ -102,6 +102,10 @@ the last one's push arrives. A read asks that table (``board.py``), not the netw
 CLAIM_POLL_START_S = 0.05
 """The first wait between reads of a verifiable round's claims (doubling up to half a heartbeat)."""
 
+REALIGN_TRIES = 2
+"""The most donors a realignment of our reputation asks in one round (each may take up to
+swarm.state_download_timeout_s, while our round waits); the next round tries again."""
+
 
 @dataclass
 class RoundStats:
@@ -1007,7 +1011,12 @@ class Trainer:
         )
         if target is None:
             return
-        donors = sorted(r.peer_id for r in peers if r.reputation == target and r.serves)
+        # Two tries at most, of donors not resting after a failure: a realignment holds up our round's start.
+        resting = self.backoff.resting(time.monotonic())
+        donors = sorted(
+            r.peer_id for r in peers if r.reputation == target and r.serves and r.peer_id not in resting
+        )
+        donors = donors[:REALIGN_TRIES]
         self.log.warning(
             "our reputation is not the one most trusted peers carry: taking theirs",
             round=self.round,
@@ -1281,14 +1290,18 @@ class Trainer:
             mine = self._my_referee_report
             if mine is None or mine[:2] != (dispute.round, dispute.group):
                 return None
-            return verify.Report(self.peer_id, self.numeric_class, mine[2], float(mine[2].norm()))
+            cls = dispute.referee_class or self.numeric_class
+            return verify.Report(self.peer_id, cls, mine[2], float(mine[2].norm()))
         r = records.get(dispute.referee)
         if r is None or r.ref_round != dispute.round or tuple(sorted(r.ref_group)) != dispute.group:
             return None
         claim = verify.Claim.of(r.copy(update={"sketch": r.ref_sketch}))
         if claim.sketch is None:
             return None
-        return verify.Report(r.peer_id, r.numeric_class, claim.sketch, float(claim.sketch.norm()))
+        # The class the round's roster vote gave the referee: the one its record states now could differ
+        # between two peers' reads, and so would their convictions.
+        cls = dispute.referee_class or r.numeric_class
+        return verify.Report(r.peer_id, cls, claim.sketch, float(claim.sketch.norm()))
 
     def _tolerances(self, round_: int) -> verify.Tolerances:
         """The verdict's tolerances in ``round_``: mixed-class pairs get the largest in the grace rounds."""
@@ -1834,8 +1847,13 @@ class Trainer:
         except ValueError as e:  # shapes or values that do not fit this model
             return str(e)
         if adopted is not None:
+            # Bans the swarm's reputation does not hold are lifted (ours had drifted from it, say); our
+            # averager's own refusals (a part it caught unsealed) stand.
+            lifted = self.reputation.banned - adopted.banned
             self.reputation = adopted
             self.disputes = disputes  # of the round before: settled at this round's verdict
+            if lifted:
+                self.averager.unban(sorted(lifted))
             if adopted.banned:
                 self.averager.ban(sorted(adopted.banned))
         return None

@@ -487,7 +487,8 @@ class Reputation:
 def swarm_reputation(mine: str, trusted_digests: Sequence[str], *, trusted_self: bool) -> str | None:
     """The reputation digest to take instead of ours (``mine``; empty: ours is not backed by the swarm), or
     None: where more than half of the trusted peers of our round (``trusted_digests``, each the digest its
-    record carries; with ours too where we are ``trusted_self``) carry one digest, and it is not ours.
+    record carries, empty where it carries none; with ours too where we are ``trusted_self``) carry one
+    digest, and it is not ours, and at least :data:`MIN_REALIGN_VOUCHERS` of them do.
 
     Peers that read different claims of a round (a key holder showed each another record) reach different
     verdicts, and count agreement and strikes differently from then on: this puts a drifted peer back on the
@@ -495,14 +496,18 @@ def swarm_reputation(mine: str, trusted_digests: Sequence[str], *, trusted_self:
     hand anyone a reputation; where the trusted are split evenly, nobody moves.
     """
     votes = Counter(d for d in trusted_digests if d)
-    if mine and trusted_self:
-        votes[mine] += 1
     if not votes:
         return None
+    voters = len(trusted_digests) + trusted_self  # a trusted peer that carries no digest counts against all
     digest, count = votes.most_common(1)[0]
-    if count * 2 <= votes.total() or digest == mine:
+    if count < MIN_REALIGN_VOUCHERS or count * 2 <= voters or digest == mine:
         return None
     return digest
+
+
+MIN_REALIGN_VOUCHERS = 2
+"""The fewest trusted peers (us not included) that must carry a reputation digest for a drifted peer to take
+it: one trusted key holder alone never hands anyone a reputation."""
 
 
 # ------------------------------------------------------------------------------- a verifiable round
@@ -786,6 +791,10 @@ class Dispute:
     """The group's sketch seed: the referee sketches its recomputation with it."""
     referee: str
     reports: tuple[Report, ...]
+    referee_class: str = ""
+    """The referee's numeric class as the round's roster vote gave it (its report is compared with the
+    group's under that class, never the one its record states when a peer settles the dispute); empty
+    where no roster was voted (the class its record states then)."""
 
     MAX_PER_ROUND = 16
     """The most disputes of one round that are settled (the first in the verdict's order): every peer keeps
@@ -800,6 +809,7 @@ class Dispute:
             "shard": self.shard,
             "seed": self.seed,
             "referee": self.referee,
+            "referee_class": self.referee_class,
             "reports": [
                 {
                     "peer": r.peer,
@@ -835,6 +845,7 @@ class Dispute:
                 and text(d.get("shard"))
                 and type(d.get("seed")) is int
                 and text(d.get("referee"))
+                and text(d.get("referee_class", ""))
                 and isinstance(d.get("reports"), list)
                 and len(d["reports"]) == len(d["group"])
                 and all(
@@ -854,7 +865,15 @@ class Dispute:
                 sketch = torch.frombuffer(raw, dtype=torch.float32).double()
                 reports.append(Report(r["peer"], r["numeric_class"], sketch, float(sketch.norm())))
             found.append(
-                cls(d["round"], tuple(d["group"]), d["shard"], d["seed"], d["referee"], tuple(reports))
+                cls(
+                    d["round"],
+                    tuple(d["group"]),
+                    d["shard"],
+                    d["seed"],
+                    d["referee"],
+                    tuple(reports),
+                    d.get("referee_class", ""),
+                )
             )
         return found
 
@@ -919,7 +938,8 @@ def disputes(
             continue
         reports = tuple(m.report(verdict.classes) for m in members)
         seed = group_seed(run_id, round, [m.nonce for m in members])
-        found.append(Dispute(round, tuple(group), members[0].shard, seed, referee, reports))
+        referee_class = verdict.classes.get(referee, "")
+        found.append(Dispute(round, tuple(group), members[0].shard, seed, referee, reports, referee_class))
         if len(found) == Dispute.MAX_PER_ROUND:
             break  # the rest go unsettled, alike on every peer
     return found

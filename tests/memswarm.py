@@ -395,6 +395,10 @@ class MemoryAverager:
         with self._peer.swarm._lock:
             self._peer.swarm.banned_by.setdefault(self._peer.peer_id, set()).update(peers)
 
+    def unban(self, peers) -> None:
+        with self._peer.swarm._lock:
+            self._peer.swarm.banned_by.get(self._peer.peer_id, set()).difference_update(peers)
+
     def left_out_of(self, peers, round: int) -> list[str]:
         swarm, me = self._peer.swarm, self._peer.peer_id
         with swarm._lock:

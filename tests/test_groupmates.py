@@ -50,6 +50,17 @@ def test_a_peer_that_misbehaves_is_left_out_for_the_rest_of_the_run():
     assert not left.excludes("other", 3)
 
 
+def test_a_ban_lifted_lets_a_peer_back_and_a_fault_we_saw_ourselves_stands():
+    left = LeftOut()
+    left.ban("x")
+    left.ban("h")
+    left.fault("h", Fault.MISBEHAVED, round=3)  # and our own reducer caught h
+    assert left.excludes("x", 4) and left.excludes("x", math.inf) and left.for_good() == ["h", "x"]
+    left.unban("x")
+    left.unban("h")  # the swarm's reputation bans neither: what we saw h do still counts
+    assert not left.excludes("x", 4) and left.excludes("h", 4) and left.for_good() == ["h"]
+
+
 def test_stalls_leave_a_peer_out_of_16_rounds_then_twice_as_many_counted_once_per_round():
     left = LeftOut()
     assert left.fault("s", Fault.STALLED, round=5) == 20  # the retry of round 5 goes without it, and 15 more

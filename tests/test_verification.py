@@ -293,19 +293,33 @@ def test_a_class_changed_between_two_peers_reads_gives_them_the_same_verdict(tmp
 
 class CountsOtherwise(Trainer):
     """An honest peer that reads round 1's claims otherwise than the others (as a key holder that shows each
-    peer another record can make it): its reputation counts one more agreement for itself from then on."""
+    peer another record can make it): its reputation counts one more agreement for itself from then on, and
+    bans ``convicts`` (a hostile referee's report that only this peer read, say)."""
+
+    convicts = ""
+    injector = None
+    tamper_realignment = None  # what the first state served to our realignment is, as a hostile donor
+
+    def load_state(self, donors, **kwargs):
+        if kwargs.get("why") == "realign" and self.tamper_realignment is not None:
+            self.injector.tamper_donation = self.tamper_realignment
+            CountsOtherwise.tamper_realignment = None
+        return super().load_state(donors, **kwargs)
 
     def verify_round(self, group, stats):
         out = super().verify_round(group, stats)
         if self.verdicts[-1][0] == 1:
             self.reputation.agree([self.peer_id])
+            self.reputation.convict([self.convicts], 1)
+            self.averager.ban(sorted(self.reputation.convict([self.convicts], 1)))
         return out
 
 
 def test_a_peer_whose_reputation_drifted_takes_the_one_most_trusted_peers_carry(tmp_path):
-    """d's reputation counts otherwise than the others' after round 1, so its record carries another digest
-    into round 2: it downloads round 2's state from a trusted peer that carries the majority's digest and
-    takes that reputation, and only that one (the first donor serves another, and is refused)."""
+    """d's reputation counts otherwise than the others' after round 1 (and bans a), so its record carries
+    another digest into round 2: it downloads round 2's state from a trusted peer that carries the
+    majority's digest and takes that reputation, and only that one (the first donor serves another, and is
+    refused); its averager lifts the ban the swarm does not hold."""
     swarm = MemorySwarm()
 
     def one_more_round_each(metadata: dict, tensors: list) -> tuple[dict, list]:
@@ -313,8 +327,10 @@ def test_a_peer_whose_reputation_drifted_takes_the_one_most_trusted_peers_carry(
         metadata["reputation"] = {**saved, "agreed": {p: n + 1 for p, n in saved["agreed"].items()}}
         return metadata, tensors
 
-    swarm.injector.tamper_donation = one_more_round_each  # the first state served: d's realignment's
     names = ["a", "b", "c", "d"]
+    CountsOtherwise.convicts = "mem-a-0"  # a's id, once it connects
+    CountsOtherwise.injector = swarm.injector
+    CountsOtherwise.tamper_realignment = staticmethod(one_more_round_each)
     peers = {
         n: PeerThread(swarm, n, cfg, CountsOtherwise if n == "d" else Trainer)
         for n, cfg in _configs(tmp_path, names, rounds_to_trust=1).items()
@@ -322,6 +338,8 @@ def test_a_peer_whose_reputation_drifted_takes_the_one_most_trusted_peers_carry(
     finish(peers)
     assert_swarm_contract(tmp_path, peers, names)
     d = peers["d"].trainer
+    # d had banned a (honest) in round 1; the swarm's reputation does not, and d's averager takes a back.
+    assert swarm.peer_id("a") == "mem-a-0" not in swarm.banned_by[swarm.peer_id("d")]
     assert ("realign", 2) in d.loads, d.loads
     [hostile] = swarm.injector.tampered_donors
     refused = [why for donor, why in d.refusals if donor == hostile]

@@ -710,6 +710,25 @@ def test_replicas_are_judged_by_the_classes_the_roster_vote_gives_them_not_by_th
     # The dispute carries the classes the group was judged as: the referee is compared with those.
     (d,) = disputes(v, claims, run_id="r", round=3, trusted=lambda p: False)
     assert [r.numeric_class for r in d.reports] == ["cpu/float32", "cpu/float32"]
+    assert d.referee_class == "cpu/float32"
+    assert [x.to_dict() for x in Dispute.pending_of(donated(Reputation(), [d]))] == [d.to_dict()]
+    # And so is the referee's report, whatever class its record states when a peer settles the dispute.
+    import types
+
+    from p2ptrain.trainer import Trainer
+
+    sketch = d.reports[0].sketch.float().numpy().tobytes()
+    ref = rec(d.referee, 4).copy(
+        update={
+            "numeric_class": "cuda/bfloat16",
+            "ref_round": 3,
+            "ref_group": list(d.group),
+            "ref_sketch": sketch,
+        }
+    )
+    me = types.SimpleNamespace(peer_id="someone else", numeric_class="cpu/float32")
+    report = Trainer._referee_report(me, d, {d.referee: ref})
+    assert report is not None and report.numeric_class == "cpu/float32"
     # And the other way: a roster that names x bfloat16 compares it as such, whatever its record says now.
     claims, v, group = judged(
         as_roster([(x, "cuda/bfloat16") if p == x else p for p in peers]), "cpu/float32"
@@ -723,8 +742,12 @@ def test_a_drifted_reputation_takes_the_one_most_trusted_peers_carry_and_only_th
     assert swarm_reputation("", ["D", "D"], trusted_self=False) == "D"  # ours was never backed
     # We are the majority, or nobody is: nobody moves (an even split is not for one side to settle).
     assert swarm_reputation("D", ["D", "E"], trusted_self=True) is None
-    assert swarm_reputation("E", ["D"], trusted_self=True) is None
-    assert swarm_reputation("E", ["D", "F"], trusted_self=False) is None
-    # Peers that carry no digest have no say, and where nobody trusted carries one there is nothing to take.
-    assert swarm_reputation("E", ["", "", "D"], trusted_self=False) == "D"
+    assert swarm_reputation("E", ["D", "D", "E", "E"], trusted_self=False) is None
+    assert swarm_reputation("E", ["D", "D", "F"], trusted_self=True) is None  # 2 of 4
+    # One trusted peer alone never hands anyone a reputation, however few the others.
+    assert swarm_reputation("E", ["D"], trusted_self=False) is None
+    assert swarm_reputation("", ["D"], trusted_self=True) is None
+    # A trusted peer that carries no digest counts against every digest: one of three is no majority.
+    assert swarm_reputation("E", ["", "", "D"], trusted_self=False) is None
+    assert swarm_reputation("E", ["", "D", "D"], trusted_self=False) == "D"
     assert swarm_reputation("E", [], trusted_self=True) is None
