@@ -433,6 +433,21 @@ def test_a_leader_that_accepts_and_then_holds_its_followers_is_left_out_of_the_r
         assert sorted(r.peers) == sorted(ids)
 
 
+def test_a_ban_lifted_lets_the_peer_back_and_a_misbehaviour_seen_stands(swarm_of):
+    """The trainer bans whom the swarm's reputation bans, and lifts a ban when it takes a reputation without
+    it (its own had drifted): in the averager's process, a ban is kept apart from what its reducers saw."""
+    a, b = swarm_of(2)
+    a.ban([b.peer_id, "some-peer"])
+    assert a.left_out_of([b.peer_id, "some-peer", "other"], 3) == sorted([b.peer_id, "some-peer"])
+    a.unban([b.peer_id])
+    assert a.left_out_of([b.peer_id, "some-peer"], 3) == ["some-peer"]
+    result = run_parallel(
+        [lambda avg=avg, x=x: avg.average(x, weight=1.0, round=4) for avg, x in zip((a, b), inputs(2))]
+    )
+    assert all(not isinstance(r, Exception) for r in result), result
+    assert sorted(result[0].peers) == sorted([a.peer_id, b.peer_id]) and result[0].refused == ["some-peer"]
+
+
 def test_peers_of_different_rounds_never_average(swarm_of):
     averagers = swarm_of(2)
     x = [torch.ones(s) for s in SHAPES]
