@@ -512,7 +512,8 @@ class _Outcome:
     outliers: dict[str, int] = field(default_factory=dict)
     """Groupmates whose parts our reducer's aggregate left out, and how many parts."""
     refused: list[str] = field(default_factory=list)
-    """Every peer left out for good so far (LeftOut), as of this all-reduce."""
+    """Every peer left out for good so far for what this averager saw it do (``LeftOut.for_good``; bans,
+    which the trainer knows, not included), as of this all-reduce."""
     stalled: list[str] = field(default_factory=list)
     """Peers left out of the next rounds for stalling (LeftOut), as of this all-reduce."""
     allreduce_s: float = 0.0
@@ -748,7 +749,8 @@ class _NotingStub:
 
 
 class LeftOut:
-    """The groupmates this peer does not average with, and until which round: a pure record of faults.
+    """The groupmates this peer does not average with, and until which round: a pure record of faults, and
+    of the bans the swarm's reputation holds (kept apart: a ban can be lifted, a fault seen stands).
 
     A peer that misbehaved is left out for the rest of the run. One that stalled (sent nothing for a whole
     timeout while connected) is left out of the round it stalled in, so that the retry of that round goes
@@ -813,8 +815,8 @@ class LeftOut:
         return self._misbehaved_in == round
 
     def for_good(self) -> list[str]:
-        """The peers left out for the rest of the run."""
-        return sorted({p for p, until in self._until.items() if until == math.inf} | self._banned)
+        """The peers left out for the rest of the run for what we saw them do (bans not included)."""
+        return sorted(p for p, until in self._until.items() if until == math.inf)
 
     def for_a_while(self, round: int) -> list[str]:
         """The peers left out of rounds after ``round``, not for good (they stalled)."""

@@ -1408,7 +1408,7 @@ class Trainer:
         # Our reputation as of entering the round we are now in: unchanged where the round did not move on (the
         # sync failed), whose verdict we have judged already.
         reputation = self._reputation_as_of_step() if self.round > round_ else {}
-        new = set(report.refused) - self.refused - self.reputation.banned
+        new = set(report.refused) - self.refused  # what our reducers caught (not bans: a ban can be lifted)
         if new:
             # Our reducer caught them (a part they had not sealed, say): we neither wait for them nor read their
             # records from now on, as for a banned peer. Every reducer they cheated does the same.

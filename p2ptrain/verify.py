@@ -883,7 +883,7 @@ _MAX_TEXT = 128
 _SKETCH_HEX = re.compile(f"[0-9a-f]{{{8 * SKETCH_WIDTH}}}")
 """A sketch as a donated dispute carries it: its float32 bytes in lowercase hex, nothing else."""
 
-MAX_DONATED_DISPUTE_BYTES = Dispute.MAX_PER_ROUND * (MAX_REPLICAS + 1) * (8 * SKETCH_WIDTH + 4 * _MAX_TEXT)
+MAX_DONATED_DISPUTE_BYTES = Dispute.MAX_PER_ROUND * (MAX_REPLICAS + 1) * (8 * SKETCH_WIDTH + 5 * _MAX_TEXT)
 """What the pending disputes may add to a donated state's metadata, at most (about 0.6 MB)."""
 
 

@@ -371,7 +371,7 @@ class MemoryAverager:
     def download_state(self, donors, timeout: float):
         self._peer.check_alive()
         for donor_id in donors:
-            if self._peer.peer_id in self._peer.swarm.banned_by.get(donor_id, set()):
+            if self._peer.peer_id in self._peer.swarm.refused_by(donor_id):
                 continue  # as ExactAverager.rpc_download_state: a banned peer is served nothing
             got = self._peer.swarm.donate(donor_id)
             if got is not None:
@@ -402,7 +402,7 @@ class MemoryAverager:
     def left_out_of(self, peers, round: int) -> list[str]:
         swarm, me = self._peer.swarm, self._peer.peer_id
         with swarm._lock:
-            out = swarm.left_out.get((me, round), set()) | swarm.banned_by.get(me, set())
+            out = swarm.left_out.get((me, round), set()) | swarm.refused_by(me)
             verdict = swarm.verdict_weights.get((me, round))
         return sorted(p for p in peers if p in out or (verdict is not None and p != me and p not in verdict))
 
@@ -448,7 +448,9 @@ class MemorySwarm:
         self.verdict_weights: dict[tuple[str, int], dict[str, float]] = {}
         """(peer, round) -> the weight each groupmate counts with by that peer's verdict (never its claim)."""
         self.banned_by: dict[str, set[str]] = {}
-        """peer -> whom it banned: never averaged with, never served."""
+        """peer -> whom it banned (the swarm's reputation): never averaged with, never served, until lifted."""
+        self.caught_by: dict[str, set[str]] = {}
+        """peer -> whom its reducer caught sending something else than it sealed: left out for good."""
         self.expected_groups: list[tuple[str, int, int | None]] = []
         """(peer, round, size) of every all-reduce a peer began: the group size it told its averager to
         expect (``expect_group``), None if it told none."""
@@ -467,6 +469,10 @@ class MemorySwarm:
         self._carried: dict[str, ExperimentRecord] = {}
         """peer -> the experiment it carries (as under its subkey of p2ptrain_experiments)."""
         self._lock = threading.Condition()
+
+    def refused_by(self, peer_id: str) -> set[str]:
+        """Whom ``peer_id`` never averages with nor serves: those it banned, and those its reducer caught."""
+        return self.banned_by.get(peer_id, set()) | self.caught_by.get(peer_id, set())
 
     # --- the board
     def carry(self, peer_id: str, record: ExperimentRecord) -> None:
@@ -587,7 +593,7 @@ class MemorySwarm:
         # finds no group (it may still come; a hostile one would).
         refused = set().union(
             *(self.left_out.get((m[0].peer_id, group.round), set()) for m in members),
-            *(self.banned_by.get(m[0].peer_id, set()) for m in members),
+            *(self.refused_by(m[0].peer_id) for m in members),
         )
         # As ExactAverager._left_out_now: a peer that a member's verdict does not count is refused too.
         verdicts = [v for m in members if (v := self.verdict_weights.get((m[0].peer_id, group.round)))]
@@ -607,7 +613,7 @@ class MemorySwarm:
                 group.results[m[0].peer_id] = AveragingFailed("allreduce", f"misbehaved: {problems}")
                 members.remove(m)
                 for reducer in problems:
-                    self.banned_by.setdefault(reducer, set()).add(m[0].peer_id)
+                    self.caught_by.setdefault(reducer, set()).add(m[0].peer_id)
         ids = [m[0].peer_id for m in members]
         if len(members) < max(min_group_size, 2):
             for pid in ids:
@@ -628,7 +634,7 @@ class MemorySwarm:
             layout = members[0][0].layout  # every member decodes the same bytes: one result for all
             result = AverageResult(tensors=_returned(layout, average), group_size=len(members), peers=ids)
             for pid in ids:  # each with whom its own averager left out for good, as ExactAverager's LeftOut
-                group.results[pid] = replace(result, refused=sorted(self.banned_by.get(pid, ())))
+                group.results[pid] = replace(result, refused=sorted(self.caught_by.get(pid, ())))
             self.averaged.append((group.round, list(ids)))
             dying = [m[0] for m in members if self.injector.take(m[0].name, Point.ALLREDUCE, group.round)]
             for victim in dying:

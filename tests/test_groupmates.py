@@ -55,7 +55,7 @@ def test_a_ban_lifted_lets_a_peer_back_and_a_fault_we_saw_ourselves_stands():
     left.ban("x")
     left.ban("h")
     left.fault("h", Fault.MISBEHAVED, round=3)  # and our own reducer caught h
-    assert left.excludes("x", 4) and left.excludes("x", math.inf) and left.for_good() == ["h", "x"]
+    assert left.excludes("x", 4) and left.excludes("x", math.inf) and left.for_good() == ["h"]
     left.unban("x")
     left.unban("h")  # the swarm's reputation bans neither: what we saw h do still counts
     assert not left.excludes("x", 4) and left.excludes("h", 4) and left.for_good() == ["h"]

@@ -206,7 +206,7 @@ def test_what_replicas_cannot_see_every_reducer_refuses(tmp_path, attack):
     assert counted, "the replicas were not fooled: this test tests nothing"
     assert swarm.averaged and all(x not in members for _, members in swarm.averaged), swarm.averaged
     for name in ("a", "b", "c"):
-        assert x in swarm.banned_by.get(swarm.peer_id(name), set()), name
+        assert x in swarm.caught_by.get(swarm.peer_id(name), set()), name
         assert x in peers[name].trainer.refused, name  # nor waited for, nor read, from then on
         assert not peers[name].trainer.reputation.strikes
     assert_swarm_contract(tmp_path, peers, ["a", "b", "c"])
