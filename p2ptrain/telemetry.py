@@ -212,6 +212,17 @@ CONVICTIONS = Counter(
     "Strikes against peers: a referee's recomputation of a dissenting group's shard disagreed with them.",
     registry=PEER,
 )
+SPLIT_VERDICTS = Counter(
+    "p2ptrain_verification_split_verdicts",
+    "Verifiable rounds in which a peer this peer judged published another verdict than its own: they read "
+    "other claims (a key holder can show each peer another record).",
+    registry=PEER,
+)
+REALIGNMENTS = Counter(
+    "p2ptrain_verification_realignments",
+    "Times this peer took the reputation most trusted peers of its round carry, its own having drifted.",
+    registry=PEER,
+)
 ROUND = Gauge("p2ptrain_round", "The outer round this peer is in.", registry=PEER)
 PAUSED = Gauge(
     "p2ptrain_paused", "1 while this peer's schedule has it paused (its machine comes first).", registry=PEER

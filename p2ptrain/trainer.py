@@ -1024,9 +1024,10 @@ class Trainer:
             theirs=target,
             of=len(peers),
         )
-        self.load_state(
+        if self.load_state(
             donors, why="realign", expect=me.params_hash, round=self.round, reputation_digest=target
-        )
+        ):
+            telemetry.REALIGNMENTS.inc()
 
     def _roster_claim(self) -> verify.Roster:
         """The roster our record names: none beyond MAX_LISTED peers (the verdict then checks no assignment)."""
@@ -1319,6 +1320,7 @@ class Trainer:
         seen = self._await_claims(peers, "verdict", round_, deadline)
         differ = sorted(p[-8:] for p, r in seen.items() if r.verdict and r.verdict != digest)
         if differ:
+            telemetry.SPLIT_VERDICTS.inc()
             self.log.warning(
                 "peers reached another verdict on this round: they read other claims",
                 round=round_,

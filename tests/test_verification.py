@@ -327,6 +327,9 @@ def test_a_peer_whose_reputation_drifted_takes_the_one_most_trusted_peers_carry(
         metadata["reputation"] = {**saved, "agreed": {p: n + 1 for p, n in saved["agreed"].items()}}
         return metadata, tensors
 
+    from p2ptrain import telemetry
+
+    realigned = telemetry.REALIGNMENTS._value.get()
     names = ["a", "b", "c", "d"]
     CountsOtherwise.convicts = "mem-a-0"  # a's id, once it connects
     CountsOtherwise.injector = swarm.injector
@@ -341,6 +344,7 @@ def test_a_peer_whose_reputation_drifted_takes_the_one_most_trusted_peers_carry(
     # d had banned a (honest) in round 1; the swarm's reputation does not, and d's averager takes a back.
     assert swarm.peer_id("a") == "mem-a-0" not in swarm.banned_by[swarm.peer_id("d")]
     assert ("realign", 2) in d.loads, d.loads
+    assert telemetry.REALIGNMENTS._value.get() == realigned + 1
     [hostile] = swarm.injector.tampered_donors
     refused = [why for donor, why in d.refusals if donor == hostile]
     assert refused and "not the one most trusted peers carry" in refused[0], d.refusals
