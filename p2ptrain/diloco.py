@@ -46,8 +46,8 @@ class AverageResult:
     """Groupmates whose parts of the pseudo-gradient this peer's reducer left out of the aggregate (robust
     aggregation), and how many parts: each reducer sees only its own slice."""
     refused: list[str] = field(default_factory=list)
-    """Every peer this peer's averager has left out for good so far (it misbehaved towards our reducer, or
-    was banned)."""
+    """Every peer this peer's averager has left out for good so far for what it saw it do (it misbehaved
+    towards our reducer); bans, which the trainer holds, are not included."""
     stalled: list[str] = field(default_factory=list)
     """Peers this peer's averager leaves out of the next rounds: they stalled an all-reduce."""
     matchmaking_s: float = 0.0

@@ -156,7 +156,7 @@ class ProgressRecord(BaseModel):
     class Config:
         extra = "forbid"
 
-    @validator("roster_classes")
+    @validator("roster_classes", always=True)  # also where the field is left out: a push leaves out defaults
     def _a_class_per_roster_member(cls, classes: list[str], values: dict[str, Any]) -> list[str]:
         if "roster" in values and len(classes) != len(values["roster"]):
             raise ValueError(f"{len(classes)} roster classes for {len(values['roster'])} roster members")

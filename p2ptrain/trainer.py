@@ -1743,7 +1743,7 @@ class Trainer:
 
         Args:
             donors: peer ids to try, in order.
-            why: catch_up, rebase or adopt (logged, and kept in ``self.loads``).
+            why: catch_up, rebase, adopt or realign (logged, and kept in ``self.loads``).
             expect: the params hash (of params and outer momentum) the swarm's peers report for the state of
                 round ``round`` (or ``min_round``) (:func:`protocol.credible` records): a donor that serves
                 another state or round is refused, whatever its checksum says, unless the swarm vouches for

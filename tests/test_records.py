@@ -125,3 +125,6 @@ def test_a_roster_names_one_class_per_member():
     for classes in (["cpu/float32"], ["cpu/float32"] * 3, []):
         with pytest.raises(pydantic.v1.ValidationError, match="roster_classes"):
             ProgressRecord.parse_obj({**wire, "roster_classes": classes})
+    # A push leaves out what is at its default: a roster without its classes is refused too.
+    with pytest.raises(pydantic.v1.ValidationError, match="roster_classes"):
+        ProgressRecord.parse_obj({k: v for k, v in wire.items() if k != "roster_classes"})

@@ -271,6 +271,12 @@ def test_a_class_changed_between_two_peers_reads_gives_them_the_same_verdict(tmp
     peers' reads at their assignments (here: peer a reads c and d as bfloat16, the others read float32) must
     not give them different verdicts: the roster's vote fixes every member's class, and peers that read the
     same claims plan alike. a trained in a group of its own view: that costs a its work, nothing more."""
+    from p2ptrain import telemetry
+
+    def split_verdicts():
+        return telemetry.REGISTRY.get_sample_value("p2ptrain_verification_split_verdicts_total")
+
+    before = split_verdicts()
     swarm = MemorySwarm()
     swarm.injector.misread_class["a"] = {"c": "cpu/bfloat16", "d": "cpu/bfloat16"}
     names = ["a", "b", "c", "d"]
@@ -281,6 +287,7 @@ def test_a_class_changed_between_two_peers_reads_gives_them_the_same_verdict(tmp
         for r, verdict in p.trainer.verdicts:
             by_round.setdefault(r, {})[name] = verdict.digest()
     assert by_round and all(len(set(d.values())) == 1 for d in by_round.values()), by_round
+    assert split_verdicts() == before  # and no peer saw another's verdict differ
     a, b = peers["a"].trainer, peers["b"].trainer
     differed = [r for r in a.plans if r in b.plans and a.plans[r] != b.plans[r]]
     assert differed, "a's misread classes never changed its assignment: this test tests nothing"
@@ -294,16 +301,17 @@ def test_a_class_changed_between_two_peers_reads_gives_them_the_same_verdict(tmp
 class CountsOtherwise(Trainer):
     """An honest peer that reads round 1's claims otherwise than the others (as a key holder that shows each
     peer another record can make it): its reputation counts one more agreement for itself from then on, and
-    bans ``convicts`` (a hostile referee's report that only this peer read, say)."""
+    bans ``convicts`` (a hostile referee's report that only this peer read, say). Set per test."""
 
     convicts = ""
+    bans: list = []  # what it banned in round 1
     injector = None
-    tamper_realignment = None  # what the first state served to our realignment is, as a hostile donor
+    tamper_realignment = None  # what the first state served to its realignment is, as a hostile donor
 
     def load_state(self, donors, **kwargs):
         if kwargs.get("why") == "realign" and self.tamper_realignment is not None:
             self.injector.tamper_donation = self.tamper_realignment
-            CountsOtherwise.tamper_realignment = None
+            type(self).tamper_realignment = None
         return super().load_state(donors, **kwargs)
 
     def verify_round(self, group, stats):
@@ -311,15 +319,19 @@ class CountsOtherwise(Trainer):
         if self.verdicts[-1][0] == 1:
             self.reputation.agree([self.peer_id])
             self.reputation.convict([self.convicts], 1)
-            self.averager.ban(sorted(self.reputation.convict([self.convicts], 1)))
+            banned = sorted(self.reputation.convict([self.convicts], 1))
+            self.bans.append(banned)
+            self.averager.ban(banned)
         return out
 
 
-def test_a_peer_whose_reputation_drifted_takes_the_one_most_trusted_peers_carry(tmp_path):
+def test_a_peer_whose_reputation_drifted_takes_the_one_most_trusted_peers_carry(tmp_path, monkeypatch):
     """d's reputation counts otherwise than the others' after round 1 (and bans a), so its record carries
-    another digest into round 2: it downloads round 2's state from a trusted peer that carries the
+    another digest into the next round: it downloads that round's state from a trusted peer that carries the
     majority's digest and takes that reputation, and only that one (the first donor serves another, and is
     refused); its averager lifts the ban the swarm does not hold."""
+    from p2ptrain import telemetry
+
     swarm = MemorySwarm()
 
     def one_more_round_each(metadata: dict, tensors: list) -> tuple[dict, list]:
@@ -327,13 +339,15 @@ def test_a_peer_whose_reputation_drifted_takes_the_one_most_trusted_peers_carry(
         metadata["reputation"] = {**saved, "agreed": {p: n + 1 for p, n in saved["agreed"].items()}}
         return metadata, tensors
 
-    from p2ptrain import telemetry
+    def realignments():
+        return telemetry.REGISTRY.get_sample_value("p2ptrain_verification_realignments_total")
 
-    realigned = telemetry.REALIGNMENTS._value.get()
+    before = realignments()
     names = ["a", "b", "c", "d"]
-    CountsOtherwise.convicts = "mem-a-0"  # a's id, once it connects
-    CountsOtherwise.injector = swarm.injector
-    CountsOtherwise.tamper_realignment = staticmethod(one_more_round_each)
+    monkeypatch.setattr(CountsOtherwise, "convicts", "mem-a-0")  # a's id, once it connects
+    monkeypatch.setattr(CountsOtherwise, "bans", [])
+    monkeypatch.setattr(CountsOtherwise, "injector", swarm.injector)
+    monkeypatch.setattr(CountsOtherwise, "tamper_realignment", staticmethod(one_more_round_each))
     peers = {
         n: PeerThread(swarm, n, cfg, CountsOtherwise if n == "d" else Trainer)
         for n, cfg in _configs(tmp_path, names, rounds_to_trust=1).items()
@@ -341,10 +355,12 @@ def test_a_peer_whose_reputation_drifted_takes_the_one_most_trusted_peers_carry(
     finish(peers)
     assert_swarm_contract(tmp_path, peers, names)
     d = peers["d"].trainer
-    # d had banned a (honest) in round 1; the swarm's reputation does not, and d's averager takes a back.
-    assert swarm.peer_id("a") == "mem-a-0" not in swarm.banned_by[swarm.peer_id("d")]
-    assert ("realign", 2) in d.loads, d.loads
-    assert telemetry.REALIGNMENTS._value.get() == realigned + 1
+    assert CountsOtherwise.bans == [[swarm.peer_id("a")]]  # d banned a (honest) in round 1...
+    assert (
+        swarm.peer_id("a") not in swarm.banned_by[swarm.peer_id("d")]
+    )  # ...and lifted it on taking the swarm's
+    assert [r for why, r in d.loads if why == "realign"][:1] in ([2], [3]), d.loads
+    assert realignments() == before + 1
     [hostile] = swarm.injector.tampered_donors
     refused = [why for donor, why in d.refusals if donor == hostile]
     assert refused and "not the one most trusted peers carry" in refused[0], d.refusals
