@@ -321,9 +321,12 @@ class MemoryBoard:
             hidden = records.get(peer.swarm.peer_id(unseen[0]))
             if not status.get("group") and hidden is not None and hidden.round == unseen[1]:
                 records = {**records, hidden.peer_id: hidden.copy(update={"state": PeerState.PAUSED})}
-        for name, numeric_class in peer.swarm.injector.misread_class.get(peer.name, {}).items():
-            if (r := records.get(peer.swarm.peer_id(name))) is not None:
-                records = {**records, r.peer_id: r.copy(update={"numeric_class": numeric_class})}
+        if misread := peer.swarm.injector.misread_class.get(peer.name):  # of peers connected by now
+            names = {pid: p.name for pid, p in list(peer.swarm._peers.items())}
+            records = {
+                pid: r.copy(update={"numeric_class": misread[names[pid]]}) if names.get(pid) in misread else r
+                for pid, r in records.items()
+            }
         for observe in self._subscribers:  # as swarm.Swarm: every reading reaches its subscribers
             observe(records)
         return records
