@@ -298,6 +298,13 @@ def test_a_class_changed_between_two_peers_reads_gives_them_the_same_verdict(tmp
     assert_swarm_contract(tmp_path, peers, names)
 
 
+def one_more_round_each(metadata: dict, tensors: list) -> tuple[dict, list]:
+    """A donated state as a hostile donor serves it: every peer one round in agreement more than the swarm's."""
+    saved = metadata["reputation"]
+    metadata["reputation"] = {**saved, "agreed": {p: n + 1 for p, n in saved["agreed"].items()}}
+    return metadata, tensors
+
+
 class CountsOtherwise(Trainer):
     """An honest peer that reads round 1's claims otherwise than the others (as a key holder that shows each
     peer another record can make it): its reputation counts one more agreement for itself from then on, and
@@ -333,11 +340,6 @@ def test_a_peer_whose_reputation_drifted_takes_the_one_most_trusted_peers_carry(
     from p2ptrain import telemetry
 
     swarm = MemorySwarm()
-
-    def one_more_round_each(metadata: dict, tensors: list) -> tuple[dict, list]:
-        saved = metadata["reputation"]
-        metadata["reputation"] = {**saved, "agreed": {p: n + 1 for p, n in saved["agreed"].items()}}
-        return metadata, tensors
 
     def realignments():
         return telemetry.REGISTRY.get_sample_value("p2ptrain_verification_realignments_total")
@@ -466,11 +468,6 @@ def test_a_newcomer_refuses_a_donor_whose_reputation_differs_from_the_swarms_und
     names = ["a", "b", "c", "d"]
     cfgs = _configs(tmp_path, names)
     peers: dict[str, PeerThread] = {}
-
-    def one_more_round_each(metadata: dict, tensors: list) -> tuple[dict, list]:
-        saved = metadata["reputation"]
-        metadata["reputation"] = {**saved, "agreed": {p: n + 1 for p, n in saved["agreed"].items()}}
-        return metadata, tensors
 
     slowed_steps(monkeypatch, {}, after=waits_for(peers, "e", from_round=3))
     peers.update({n: PeerThread(swarm, n, cfg) for n, cfg in cfgs.items()})
