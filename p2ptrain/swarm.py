@@ -25,17 +25,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import os
 import re
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import hivemind
+from hivemind.dht import protocol as dht_protocol
 from hivemind.dht.routing import DHTID
 from hivemind.dht.schema import BytesWithPublicKey, RSASignatureValidator, SchemaValidator
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
@@ -49,6 +51,7 @@ from pydantic.v1 import BaseModel
 from p2ptrain.addrs import SwarmError, is_loopback, read_maddrs_file
 from p2ptrain.board import REPLICAS, BoardService, records_from_dht_value, share_period_s
 from p2ptrain.config import ExperimentConfig, SwarmConfig
+from p2ptrain.dhtstorage import BoundedStorage
 from p2ptrain.experiment import EXPERIMENTS_KEY, Experiment, ExperimentRecord, published, sign
 from p2ptrain.experiment import subkey as experiment_subkey
 from p2ptrain.logs import get_logger
@@ -79,9 +82,10 @@ class WatchedDHT(ParentWatchdog, hivemind.DHT):
     """A hivemind DHT whose child process (and its p2pd) does not outlive the main process, and which keeps
     the run's records board in that child (:meth:`board`)."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, kept_keys: Collection[DHTID] = (), **kwargs):
         self._watched_parent_pid = os.getpid()
         self._board: BoardService | None = None  # made in the child, by board("open", ...)
+        self._kept_keys = frozenset(kept_keys)
         super().__init__(*args, **kwargs)
         self._outer_pipe = SerialSends(self._outer_pipe)  # type: ignore[has-type]  # hivemind's, untyped
 
@@ -114,6 +118,9 @@ class WatchedDHT(ParentWatchdog, hivemind.DHT):
             lambda: self._outer_pipe.send(("_shutdown", [], {})), own_process_group=True
         )
         self._inner_pipe = WholeMessages(self._inner_pipe)  # type: ignore[has-type]  # hivemind's, untyped
+        # hivemind makes the node's storage (and its cache) in DHTProtocol.create by this name; in this child
+        # only, it is ours, which keeps every answer to a read within one message (dhtstorage.py).
+        dht_protocol.DHTLocalStorage = functools.partial(BoundedStorage, kept=self._kept_keys)  # type: ignore[misc]
         super().run()
 
 
@@ -158,7 +165,9 @@ def create_dht(
             _identity(Path(identity_file), Path(identity_file).parent)
         kwargs["identity_path"] = str(identity_file)
         kwargs["check_if_identity_free"] = not fresh_identity
-    dht = WatchedDHT(**kwargs)
+    # The run's keys, whose expiry the validators cap, are bounded per key only: no other key crowds them out.
+    kept = [key for v in record_validators if isinstance(v, _ExpiryCap) for key in v.key_ids]
+    dht = WatchedDHT(kept_keys=kept, **kwargs)
     dht.start()
     # A node of a closed swarm drops whoever lacks its key as if nobody were there: either may be the cause.
     keys = (
@@ -537,7 +546,9 @@ class _ExpiryCap(RecordValidatorBase):
 
     def __init__(self, run_id: str | None, max_ttl_s: float = MAX_RECORD_TTL_S):
         keys = [EXPERIMENTS_KEY] + ([progress_key(run_id)] if run_id is not None else [])
-        self._keys = {DHTID.generate(source=key).to_bytes() for key in keys}
+        self.key_ids = frozenset(DHTID.generate(source=key) for key in keys)
+        """The run's keys: the progress records (with a run id) and the published experiments."""
+        self._keys = {key_id.to_bytes() for key_id in self.key_ids}
         self.max_ttl_s = max_ttl_s
 
     def validate(self, record: DHTRecord) -> bool:
