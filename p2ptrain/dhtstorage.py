@@ -38,7 +38,7 @@ log = get_logger(__name__)
 
 MAX_KEY_BYTES = 3 * 2**20
 """The most one key's value holds on one node: an answer of 4 MiB, less a quarter for its framing and the
-nearest peers it lists. About 2,300 records of a swarm out of verifiable rounds (1.3 kB signed), 480 in
+nearest peers it lists. About 2,400 records of a swarm out of verifiable rounds (1.3 kB signed), 510 in
 verifiable rounds of a few peers (6.1 kB), 40 of the largest the schema allows (78 kB)."""
 
 MAX_OTHER_BYTES = 32 * 2**20

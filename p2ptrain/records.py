@@ -59,9 +59,9 @@ class PeerState(str, Enum):
 
 MAX_PEER_ID = 64
 """The longest peer id a record names (libp2p's base58 ids: 46 characters for RSA keys, 52 for ed25519, 53
-for secp256k1). With 128, a record of the largest size was 102 kB, and 40 of them filled the 4 MiB a DHT
-node answers a read of the run's records with; it was 69 kB with that (60 of them), and is 77 kB since a
-roster names each member's class (54 of them)."""
+for secp256k1). With 128, a record of the largest size was 102 kB; it was 69 kB with that, and is 77 kB
+since a roster names each member's class. A DHT node keeps the latest 3 MiB of the run's records
+(dhtstorage.MAX_KEY_BYTES), so that its answer to a read fits in one 4 MiB message: 40 of the largest."""
 
 
 class ProgressRecord(BaseModel):

@@ -100,8 +100,8 @@ def test_split_watch_warns_on_rounds_far_apart_but_not_one_apart():
 
 
 def test_a_record_names_no_peer_id_longer_than_libp2ps():
-    """Every id a record names is at most MAX_PEER_ID characters (libp2p's are 46 to 53): with 128, a key
-    holder's largest records took 40 identities to fill the 4 MiB a DHT node answers a read of the run with."""
+    """Every id a record names is at most MAX_PEER_ID characters (libp2p's are 46 to 53): with 128, a record
+    of the largest size was a third larger (102 kB against 77 kB)."""
     import pydantic.v1
 
     from p2ptrain.records import MAX_PEER_ID
