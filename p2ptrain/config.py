@@ -578,8 +578,9 @@ class ScheduleConfig(_Section):
     """How often the machine is read (CPU, battery, clock)."""
     resume_after_s: float = Field(default=30.0, ge=0.0, le=MAX_SECONDS)
     """Resume only once no reason to pause has shown for this long, so that a peer does not flap in and out
-    of rounds. A paused peer stays in the swarm as 'paused': nobody waits for it, and it catches up when it
-    resumes."""
+    of rounds; a peer that pauses again before it trained as long as it waited waits twice as long the next
+    time, up to 16 times this. A paused peer stays in the swarm as 'paused': nobody waits for it, and it
+    catches up when it resumes."""
 
     @field_validator("hours")
     @classmethod

@@ -2,7 +2,8 @@
 
 The decision is a pure function of one reading (:func:`pause_reason`), and :class:`Schedule` adds the
 hysteresis: it pauses as soon as a reason shows, and resumes only once none has shown for
-``schedule.resume_after_s``, so that a peer does not flap in and out of rounds. What is read comes from a
+``schedule.resume_after_s``, so that a peer does not flap in and out of rounds; a peer that pauses again
+soon after resuming waits twice as long the next time (:func:`resume_wait_s`). What is read comes from a
 :class:`Machine` (psutil, so Linux, macOS and Windows alike): the CPU that *other* processes use (the
 machine's minus this peer's own process tree: the trainer, hivemind's children and ``p2pd``), the battery
 and the local time. Tests pass a machine of their own.
@@ -67,6 +68,30 @@ def pause_reason(cfg: ScheduleConfig, reading: Reading) -> str | None:
     return None
 
 
+MAX_BACKOFF = 16
+"""The longest wait before resuming, in ``schedule.resume_after_s``: what repeated flaps back off to."""
+
+
+def resume_wait_s(base_s: float, last_wait_s: float | None, trained_s: float | None) -> float:
+    """How long the machine must stay free before a peer that pauses now resumes.
+
+    A peer can flap: its own training is part of what it reads (a program busy on one core of two reads
+    1.0 of what a training peer leaves free, 0.5 of what a paused one does), so under a steady load it may
+    pause, resume once the machine looks free without it, and pause again at once, each time dropping a
+    round's work and loading the swarm's state. A pause that comes before the peer trained as long as it
+    last waited to resume is such a flap: the next wait doubles, up to :data:`MAX_BACKOFF` times
+    ``base_s``; a pause after a longer stretch of training waits ``base_s`` again.
+
+    Args:
+        base_s: ``schedule.resume_after_s``.
+        last_wait_s: the wait before the last resume (None: the peer never paused).
+        trained_s: how long it ran between that resume and this pause (None: it never resumed).
+    """
+    if last_wait_s is None or trained_s is None or trained_s >= last_wait_s:
+        return base_s
+    return min(2 * max(last_wait_s, base_s), MAX_BACKOFF * base_s)
+
+
 class Schedule:
     """Asks the machine at most every ``schedule.check_every_s`` whether the peer may train.
 
@@ -79,22 +104,31 @@ class Schedule:
         self._checked = -float("inf")
         self._paused_for: str | None = None
         self._clear_since: float | None = None
+        self.wait_s: float = cfg.resume_after_s
+        """How long the machine must stay free before the peer resumes from this (or its last) pause."""
+        self._waited_s: float | None = None
+        self._resumed_at: float | None = None
 
     def check(self) -> str | None:
         """None: train. Otherwise why the peer is paused (or stays paused until the machine has been free
-        for ``schedule.resume_after_s``). Cheap between readings: call it every step."""
+        for :attr:`wait_s`: ``schedule.resume_after_s``, more after flaps, :func:`resume_wait_s`). Cheap between
+        readings: call it every step."""
         now = self.clock()
         if now - self._checked < self.cfg.check_every_s:
             return self._paused_for
         self._checked = now
         reason = pause_reason(self.cfg, self.machine.read())
         if reason is not None:
+            if self._paused_for is None:  # a new pause
+                trained_s = None if self._resumed_at is None else now - self._resumed_at
+                self.wait_s = resume_wait_s(self.cfg.resume_after_s, self._waited_s, trained_s)
             self._paused_for, self._clear_since = reason, None
         elif self._paused_for is not None:
             if self._clear_since is None:
                 self._clear_since = now
-            if now - self._clear_since >= self.cfg.resume_after_s:
+            if now - self._clear_since >= self.wait_s:
                 self._paused_for, self._clear_since = None, None
+                self._waited_s, self._resumed_at = self.wait_s, now
         return self._paused_for
 
 

@@ -645,7 +645,12 @@ class Trainer:
         self.diloco.reset_model()  # an inner phase cut short: its steps are dropped
         self.board.update(state=PeerState.PAUSED, samples_round=0, **self._no_claims())
         telemetry.PAUSED.set(1)
-        self.log.info("paused: the machine comes first", reason=reason, round=self.round)
+        self.log.info(
+            "paused: the machine comes first",
+            reason=reason,
+            round=self.round,
+            resumes_once_free_for_s=round(self.schedule.wait_s, 1),
+        )
         with self._waiting() as waiting:
             while not self.stop.is_set() and (reason := self.schedule.check()) is not None:
                 waiting.update(f"round {self.round}: paused", reason=reason)

@@ -10,7 +10,7 @@ import pytest
 
 from p2ptrain.config import ConfigError, ScheduleConfig, load_config
 from p2ptrain.records import PeerState
-from p2ptrain.schedule import Machine, Reading, Schedule, pause_reason, within
+from p2ptrain.schedule import Machine, Reading, Schedule, pause_reason, resume_wait_s, within
 from p2ptrain.trainer import Trainer
 from tests.memswarm import MemorySwarm, PeerThread, fast_config
 from tests.test_rounds import assert_swarm_contract, finish, slowed_steps
@@ -83,6 +83,40 @@ def test_it_pauses_at_once_and_resumes_only_after_the_machine_stayed_free():
     machine.other_cpu = 0.9
     clock[0] = 13.0
     assert schedule.check() is not None
+
+
+def test_a_peer_that_pauses_again_right_after_resuming_waits_longer_each_time():
+    """A steady load on a machine the peer shares reads above the threshold while the peer trains and below it
+    while it is paused: without backoff the peer resumed every resume_after_s and paused again at its next
+    reading, each time dropping a round's work and loading the swarm's state."""
+    clock = [0.0]
+    schedule: Schedule
+
+    class SharedMachine:
+        def read(self) -> Reading:  # what a busy program reads beside us, training or not
+            paused = schedule._paused_for is not None
+            return Reading(other_cpu=0.4 if paused else 0.9, on_battery=None, now=NOON)
+
+    schedule = Schedule(
+        ScheduleConfig(max_other_cpu=0.6, check_every_s=1, resume_after_s=10),
+        SharedMachine(),
+        lambda: clock[0],
+    )
+    resumes, waits, was_paused = 0, [], False
+    for t in range(2000):
+        clock[0] = float(t)
+        paused = schedule.check() is not None
+        if paused and not was_paused:
+            waits.append(schedule.wait_s)
+        resumes += was_paused and not paused
+        was_paused = paused
+    assert waits[:6] == [10, 20, 40, 80, 160, 160], "doubling, up to 16 x resume_after_s"
+    assert resumes <= 2000 // 160 + 5, f"{resumes} resumes in 2000 s: it kept flapping"
+
+    # Once the load is gone and the peer trained longer than it last waited, a pause waits the base again.
+    assert resume_wait_s(10, 160, 161) == 10 and resume_wait_s(10, 160, 30) == 160
+    assert resume_wait_s(10, None, None) == 10 and resume_wait_s(10, 10, 2) == 20
+    assert resume_wait_s(0, 0, 0) == 0, "resume_after_s 0: no hysteresis asked, none added"
 
 
 def test_the_machine_reads_other_processes_cpu_without_our_own():
