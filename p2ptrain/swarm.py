@@ -31,7 +31,7 @@ import re
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -224,7 +224,8 @@ def stop_dht(dht: hivemind.DHT) -> None:
 
 @dataclass
 class LocalStatus:
-    """The mutable part of this peer's record; the trainer updates it, the heartbeat publishes it."""
+    """The mutable part of this peer's record; the trainer updates it, the heartbeat publishes it: every field
+    of :class:`~p2ptrain.records.ProgressRecord` but those the swarm fills in (:data:`SET_BY_SWARM`)."""
 
     round: int = 0
     state: PeerState = PeerState.LOADING
@@ -245,6 +246,7 @@ class LocalStatus:
     shard: str = ""
     replicas: list[str] = field(default_factory=list)
     roster: list[str] = field(default_factory=list)
+    roster_classes: list[str] = field(default_factory=list)
     seal: str = ""
     digest: str = ""
     nonce: str = ""
@@ -258,6 +260,17 @@ class LocalStatus:
     struck: list[str] = field(default_factory=list)
     banned: list[str] = field(default_factory=list)
     reputation: str = ""
+
+
+SET_BY_SWARM = frozenset({"peer_id", "device", "time", "serves"})
+"""The record's fields that :meth:`Swarm.publish` sets, not the trainer."""
+
+
+def check_fields(changes: Mapping[str, Any]) -> None:
+    """Raise AttributeError naming a change to a field that the trainer cannot set in its record."""
+    for key in changes:
+        if key not in LocalStatus.__dataclass_fields__:
+            raise AttributeError(f"a progress record has no field {key!r}")
 
 
 def with_group_cleared(changes: dict[str, Any], *, state: PeerState, round: int) -> dict[str, Any]:
@@ -366,9 +379,8 @@ class Swarm:
         the next beat."""
         state_changed = "state" in changes and changes["state"] != self.status.state
         changes = with_group_cleared(changes, state=self.status.state, round=self.status.round)
+        check_fields(changes)
         for key, value in changes.items():
-            if not hasattr(self.status, key):
-                raise AttributeError(f"a progress record has no field {key!r}")
             setattr(self.status, key, value)
         if state_changed or (changes.keys() & _AT_ONCE) - {"state"}:
             self._urgent = True

@@ -30,7 +30,7 @@ from p2ptrain.diloco import AverageResult, AveragingFailed, tensors_hash
 from p2ptrain.experiment import Experiment, ExperimentRecord, sign, verified
 from p2ptrain.link import Link
 from p2ptrain.records import PART_DIGEST_BYTES, PeerState, ProgressRecord
-from p2ptrain.swarm import with_group_cleared
+from p2ptrain.swarm import check_fields, with_group_cleared
 from p2ptrain.trainer import RunResult, Trainer
 from p2ptrain.verify import Sealed, Wire, sent_problem, sketch_layout, wire
 from tests.conftest import ROOT
@@ -275,6 +275,7 @@ class MemoryBoard:
         peer.check_alive()
         if changes.get("state") == PeerState.AVERAGING:
             peer.hit(Point.BARRIER, peer.status["round"])  # before it says so: its record still says training
+        check_fields(changes)  # as the real swarm does: a field it lacks is a crash there, not here only
         changes = with_group_cleared(changes, state=peer.status["state"], round=peer.status["round"])
         peer.status.update(changes)
         peer.swarm.publish(peer)

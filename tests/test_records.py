@@ -128,3 +128,18 @@ def test_a_roster_names_one_class_per_member():
     # A push leaves out what is at its default: a roster without its classes is refused too.
     with pytest.raises(pydantic.v1.ValidationError, match="roster_classes"):
         ProgressRecord.parse_obj({k: v for k, v in wire.items() if k != "roster_classes"})
+
+
+def test_the_trainer_can_set_every_field_of_its_record_but_the_swarms():
+    """The real swarm keeps what the trainer publishes in a LocalStatus: a record field it lacks made every
+    verifiable round of real peers crash at its first claim (roster_classes, 2026-12-07), while the in-memory
+    swarm, which kept a plain dict, trained on."""
+    import dataclasses
+
+    from p2ptrain.swarm import SET_BY_SWARM, LocalStatus, check_fields
+
+    status = {f.name for f in dataclasses.fields(LocalStatus)}
+    assert status | SET_BY_SWARM == set(ProgressRecord.__fields__) and not status & SET_BY_SWARM
+    check_fields({name: None for name in status})
+    with pytest.raises(AttributeError, match="no field 'nonsense'"):
+        check_fields({"nonsense": 1})
