@@ -120,6 +120,39 @@ averager process while it lasts, so a peer that opens many and reads none must n
 STALLED_DOWNLOAD_S = 60.0
 """How long a donor waits for a downloader to take the next piece of its state: a stream nobody reads
 ends then, and frees its copy (a slow link only makes each piece slower, never this slow)."""
+IDLE_DOWNLOAD_S = 10.0
+"""With all :data:`MAX_SERVING` places taken, a download whose reader has taken no piece for this long gives
+its place to a new downloader..."""
+MIN_SERVING_RATE = 128 * 1024
+"""...as does one that has taken less than this many bytes a second (1 Mbit/s) since it began, once it has
+run :data:`RATE_JUDGED_S`: a few identities that read a piece now and then would otherwise hold every place
+of a donor, and newcomers could not load the swarm's state from it (:func:`to_preempt`)."""
+RATE_JUDGED_S = 30.0
+
+
+@dataclass
+class _Serving:
+    """A state download we serve (``ExactAverager.rpc_download_state``)."""
+
+    task: asyncio.Task | None
+    """Its handler's task (hivemind makes one per stream): cancelling it ends the download."""
+    started: float
+    piece_at: float
+    """When its reader last took a piece (monotonic)."""
+    sent: int = 0
+    """Bytes its reader has taken."""
+
+
+def to_preempt(serving: Mapping[str, _Serving], now: float) -> str | None:
+    """Which download ends to make place for a new one when every place is taken: the one idle longest, if
+    it has been idle :data:`IDLE_DOWNLOAD_S`; else the slowest that has run :data:`RATE_JUDGED_S` and read
+    under :data:`MIN_SERVING_RATE`; else none (the newcomer asks another donor)."""
+    idle = max(serving, key=lambda p: now - serving[p].piece_at, default=None)
+    if idle is not None and now - serving[idle].piece_at >= IDLE_DOWNLOAD_S:
+        return idle
+    rates = {p: s.sent / (now - s.started) for p, s in serving.items() if now - s.started >= RATE_JUDGED_S}
+    slowest = min(rates, key=rates.__getitem__, default=None)
+    return slowest if slowest is not None and rates[slowest] < MIN_SERVING_RATE else None
 
 
 class _Stopped(Exception):
@@ -937,9 +970,8 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
         self._members_lock: asyncio.Lock | None = None
         self._reading_members = False
         self._refused_at: dict[str, float] = {}
-        self._serving: dict[str, tuple[object, float]] = {}
-        """The peers we are sending our state to: each download's token, and when it last took a piece
-        (``rpc_download_state``)."""
+        self._serving: dict[str, _Serving] = {}
+        """The peers we are sending our state to (``rpc_download_state``)."""
         self._groupmates: dict[bytes, set[PeerID]] = {}
         self._held_ids: collections.deque[bytes] = collections.deque(maxlen=64)
         """The ids of the groups we held last (a part sent under one of them is a late one)."""
@@ -1137,7 +1169,20 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
         now = time.monotonic()
         # A download that took no piece for twice the stall limit has ended (cancelled below), whether or not
         # its generator was closed yet.
-        self._serving = {p: v for p, v in self._serving.items() if now - v[1] < 2 * STALLED_DOWNLOAD_S}
+        self._serving = {p: s for p, s in self._serving.items() if now - s.piece_at < 2 * STALLED_DOWNLOAD_S}
+        if peer not in self._serving and len(self._serving) >= MAX_SERVING:
+            victim = to_preempt(self._serving, now)
+            if victim is not None:
+                ended = self._serving.pop(victim)
+                if ended.task is not None:
+                    ended.task.cancel()
+                log.info(
+                    "ended a slow state download to serve another",
+                    slow=victim[-8:],
+                    idle_s=round(now - ended.piece_at, 1),
+                    bytes_per_s=round(ended.sent / max(now - ended.started, 1e-9)),
+                    to=peer[-8:],
+                )
         if peer in self._serving or len(self._serving) >= MAX_SERVING:
             # The downloader asks its next donor (hivemind sends the error back to it).
             raise PermissionError(
@@ -1145,12 +1190,12 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
                 + (", this one among them" if peer in self._serving else "")
                 + ": ask another donor"
             )
-        token = object()  # ours: a finished download of this peer's, closed late, must not free a newer one
-        self._serving[peer] = (token, now)
         # A stream whose reader stalls blocks hivemind's handler in a write that nothing else ends: cancel it
         # when one piece has waited too long (the handler's task is ours alone: hivemind makes one per stream).
         # Not the whole download: a large state over a slow link takes as long as it takes.
         task, loop = asyncio.current_task(), asyncio.get_running_loop()
+        # Ours alone: a finished download of this peer's, closed late, must not free a newer one.
+        serving = self._serving[peer] = _Serving(task, started=now, piece_at=now)
         stalled = None
         try:
             async for message in super().rpc_download_state(request, context):
@@ -1158,11 +1203,12 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
                 yield message  # hivemind writes it to the stream before it asks for the next
                 if stalled is not None:
                     stalled.cancel()
-                self._serving[peer] = (token, time.monotonic())
+                serving.piece_at = time.monotonic()
+                serving.sent += len(message.metadata) + len(message.tensor_part.buffer)
         finally:
             if stalled is not None:
                 stalled.cancel()
-            if self._serving.get(peer, (None, 0.0))[0] is token:
+            if self._serving.get(peer) is serving:
                 del self._serving[peer]
 
     def run(self) -> None:

@@ -576,6 +576,55 @@ def test_a_donor_serves_at_most_max_serving_downloads_at_once_and_frees_each_whe
     assert again is not None and check_state(again[1], again[2], **check) is None
 
 
+class TakesOnePiece(ExactAverager):
+    """Downloads a state as an identity that holds a donor's place would: it takes the first piece and then
+    nothing, its stream left open."""
+
+    async def _download_one(self, peer):
+        # The donor's handlers are named after its class (hivemind's <class name>.<method>), not ours.
+        stub = ExactAverager.get_stub(self._p2p, peer, namespace=self.prefix)
+        stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
+        async for _ in stream:
+            await asyncio.sleep(3600)
+
+
+def test_a_download_whose_reader_takes_nothing_gives_its_place_to_a_newcomer(swarm_of, monkeypatch):
+    """With every place of a donor taken by readers that take a piece now and then (here: one, then
+    nothing), a newcomer is served, not refused until the stalled one times out: the download idle longest
+    ends. Before, a few identities could keep a donor from serving anyone."""
+    from p2ptrain import averaging
+
+    monkeypatch.setattr(averaging, "MAX_SERVING", 1)  # before the averagers fork: their processes take it
+    monkeypatch.setattr(averaging, "IDLE_DOWNLOAD_S", 1.0)
+    shapes = [torch.Size([6_000_000])]  # 48 MB with the momentum: more than the stream's buffers hold
+    snapshot = Snapshot(
+        round=3,
+        params=[torch.randn(s) for s in shapes],
+        momentum=[torch.randn(s) for s in shapes],
+        residuals=[],
+    )
+    started = threading.Event()
+
+    def provider():
+        started.set()
+        return donation(snapshot, run_id="t", config_hash="c")
+
+    donor, holder, newcomer = swarm_of(
+        3,
+        classes=[ExactAverager, TakesOnePiece, ExactAverager],
+        state_providers=[provider, lambda: ({}, []), lambda: ({}, [])],
+        shapes=shapes,
+    )
+    thread = threading.Thread(target=lambda: holder.download_state([donor.peer_id], timeout=60), daemon=True)
+    thread.start()
+    assert started.wait(30), "the holder's download never reached the donor"
+    time.sleep(3)  # the donor's writes now wait for the holder, which reads no more
+    got = newcomer.download_state([donor.peer_id], timeout=60)
+    assert got is not None, "the newcomer was refused: the holder kept the donor's only place"
+    assert check_state(got[1], got[2], run_id="t", config_hash="c", min_round=3) is None
+    assert all(torch.equal(a, b) for a, b in zip(got[2], snapshot.params + snapshot.momentum))
+
+
 def test_a_donor_that_streams_more_than_a_state_of_this_model_is_cut_off(swarm_of):
     huge = [torch.zeros(10**6)]  # 4 MB: hundreds of times what these params and momentum weigh
     newcomer, donor = swarm_of(2, state_providers=[lambda: ({}, []), lambda: ({"round": 1}, huge)])
