@@ -10,20 +10,28 @@ holder could fill every node's memory with keys of its own, kept as long as it a
 
 :class:`BoundedStorage` replaces hivemind's ``DHTLocalStorage`` in every node of ours (``swarm.WatchedDHT``):
 
-- **A key's value** (all its subkeys together) holds at most :data:`MAX_KEY_BYTES`. A store that would go
-  over drops the subkeys stored longest ago until it fits (:func:`to_drop`). Every peer stores its record
-  again every ``swarm.record_ttl_s / 3``, so a flood pushes an honest record out only while the flooder
-  stores more than :data:`MAX_KEY_BYTES` on that node in every such period (about 470 kB/s by default),
-  and a read always fits in one answer.
-- **Other keys** (neither the run's progress records nor the published experiments: hivemind's
-  matchmaking, or whatever a key holder makes up) hold at most :data:`MAX_OTHER_BYTES` together, and none
-  is kept longer than :data:`MAX_OTHER_TTL_S`: a store over either is refused.
+- **A key's value** (all its subkeys together) holds at most :data:`MAX_KEY_BYTES` in at most
+  :data:`MAX_SUBKEYS` entries. A store that would go over drops the entries stored longest ago until it fits
+  (:func:`to_drop`). Every peer stores its record again every ``swarm.record_ttl_s / 3``, so a flood pushes
+  an honest record out only while the flooder stores more than that on the node in every such period
+  (3 MiB every 6.7 s by default, about 470 kB/s), and a read always fits in one answer.
+- **Other keys** (neither the run's progress records nor its published experiments: hivemind's
+  matchmaking, another run's records, or whatever a key holder makes up) hold at most
+  :data:`MAX_OTHER_BYTES` in at most :data:`MAX_OTHER_KEYS` keys together, the keys stored longest ago
+  dropped first, and none is kept longer than :data:`MAX_OTHER_TTL_S`.
+- **hivemind's cache** never holds the run's keys: a node answers a read from its cache in place of its
+  storage when the cached copy expires later, so one record cached with a long life would have hidden every
+  record the node stores (a store may ask to be cached: ``in_cache``). Our reads always ask for the latest
+  value and nothing is cached on purpose (``swarm.DHT_TUNING``).
+
+Every store costs at most a pass over one key's :data:`MAX_SUBKEYS` entries and the :data:`MAX_OTHER_KEYS`
+other keys, whatever is held: sizes are counted once, when an entry arrives.
 """
 
 from __future__ import annotations
 
-import itertools
 import time
+from collections import OrderedDict
 from collections.abc import Collection, Hashable, Mapping
 from typing import Any
 
@@ -41,8 +49,15 @@ MAX_KEY_BYTES = 3 * 2**20
 nearest peers it lists. About 2,400 records of a swarm out of verifiable rounds (1.3 kB signed), 510 in
 verifiable rounds of a few peers (6.1 kB), 40 of the largest the schema allows (78 kB)."""
 
+MAX_SUBKEYS = 4096
+"""The most entries one key holds on one node (tiny entries would otherwise make each store's bookkeeping
+long)."""
+
 MAX_OTHER_BYTES = 32 * 2**20
 """The most a node keeps under keys other than the run's, all of them together."""
+
+MAX_OTHER_KEYS = 4096
+"""The most keys other than the run's a node keeps."""
 
 MAX_OTHER_TTL_S = 600.0
 """The longest a node keeps a value under a key other than the run's (hivemind's matchmaking asks for
@@ -54,10 +69,6 @@ ENTRY_BYTES = 32
 WARN_EVERY_S = 60.0
 """A node that drops or refuses values says so at most this often (with the counts since it last did)."""
 
-RECOUNT_S = 1.0
-"""How often the bytes under other keys are counted again from what is held; between counts a store adds
-its bytes, and what expired is not taken off, so the count errs on the full side."""
-
 
 def size_of(subkey: Any, value: Any) -> int:
     """The bytes a subkey's entry takes in an answer."""
@@ -65,36 +76,66 @@ def size_of(subkey: Any, value: Any) -> int:
 
 
 def to_drop(
-    held: Mapping[Hashable, tuple[int, int]], subkey: Hashable, size: int, budget: int
+    held: Mapping[Hashable, int], total: int, new: Hashable, size: int, budget: int, most: int
 ) -> list[Hashable] | None:
-    """Which subkeys of a key to drop so that ``subkey``'s new entry of ``size`` bytes fits in ``budget``, the
-    ones stored first first; None if it cannot fit (it alone is over the budget).
+    """Which entries of a key to drop so that ``new``'s entry of ``size`` bytes fits in ``budget`` bytes and
+    ``most`` entries: the ones stored first first; None if it cannot fit (it alone is over the budget).
 
     Args:
-        held: the key's subkeys now, each as (bytes, arrival): arrivals order the stores, lowest first.
-            ``subkey``'s old entry, if any, is replaced, not dropped.
+        held: the key's entries now, by subkey, in the order they were stored (oldest first), with their
+            bytes. ``new``'s old entry, if any, is replaced, not dropped.
+        total: the bytes of ``held`` (kept with it, so that a store takes no pass over every entry).
     """
     if size > budget:
         return None
-    others = sorted((arrival, k, nbytes) for k, (nbytes, arrival) in held.items() if k != subkey)
-    total = size + sum(nbytes for _, _, nbytes in others)
+    total += size - held.get(new, 0)
+    count = len(held) + (new not in held)
     drop = []
-    for _, k, nbytes in others:
-        if total <= budget:
+    for k, nbytes in held.items():
+        if total <= budget and count <= most:
             break
-        drop.append(k)
-        total -= nbytes
+        if k != new:
+            drop.append(k)
+            total, count = total - nbytes, count - 1
     return drop
 
 
+class _Ledger:
+    """One dictionary key's entries in the order they were stored, with their bytes and the sum of them."""
+
+    def __init__(self, entries: Mapping[Any, int] = {}):  # noqa: B006  # read only
+        self.entries: OrderedDict[Any, int] = OrderedDict(entries)
+        self.total = sum(self.entries.values())
+
+    def drop(self, subkey: Any) -> None:
+        self.total -= self.entries.pop(subkey, 0)
+
+    def add(self, subkey: Any, size: int) -> None:
+        """As the latest store (an entry stored again moves to the end)."""
+        self.drop(subkey)
+        self.entries[subkey] = size
+        self.total += size
+
+
+def make_storage(kept: Collection[DHTID]):
+    """A stand-in for hivemind's ``DHTLocalStorage`` class: ``DHTProtocol.create`` makes the node's storage
+    with no argument and its cache with the keyword ``maxsize`` (None by default: hivemind 1.1.12, which we
+    pin)."""
+
+    def make(**kwargs: Any) -> BoundedStorage:
+        return BoundedStorage(kwargs.get("maxsize"), kept=kept, cache="maxsize" in kwargs)
+
+    return make
+
+
 class BoundedStorage(DHTLocalStorage):
-    """hivemind's ``DHTLocalStorage``, each key's value within :data:`MAX_KEY_BYTES` (the oldest subkeys go
-    first) and the keys other than ``kept`` within :data:`MAX_OTHER_BYTES` and :data:`MAX_OTHER_TTL_S`.
+    """hivemind's ``DHTLocalStorage`` within the bounds above (the module's docstring).
 
     Args:
         maxsize: hivemind's (the number of keys; its cache has one).
         kept: the run's keys (progress records, published experiments): bounded per key only, so that no
             other key can crowd them out.
+        cache: hivemind's cache, which never holds ``kept`` keys.
     """
 
     def __init__(
@@ -102,67 +143,144 @@ class BoundedStorage(DHTLocalStorage):
         maxsize: int | None = None,
         *,
         kept: Collection[DHTID] = (),
+        cache: bool = False,
         key_bytes: int = MAX_KEY_BYTES,
         other_bytes: int = MAX_OTHER_BYTES,
     ):
         super().__init__(maxsize)
-        self.kept = frozenset(kept)
+        self.kept, self.cache = frozenset(kept), cache
         self.key_bytes, self.other_bytes = key_bytes, other_bytes
         self.dropped = self.refused = 0
-        """Subkeys dropped to make room; stores refused (counted for tests and the logs)."""
-        self._arrivals: dict[DHTID, dict[Any, int]] = {}
-        self._clock = itertools.count()
+        """Entries or keys dropped to make room; stores refused for a bound (counted for tests and logs)."""
+        self._entries: dict[DHTID, _Ledger] = {}
+        """Each dictionary key's entries in the order they were stored, with their bytes."""
+        self._others: OrderedDict[DHTID, int] = OrderedDict()
+        """The keys other than the run's, in the order they were last stored to, with their bytes."""
         self._other_total = 0
-        self._counted_at = -float("inf")
         self._warned_at = -float("inf")
         self._warned_counts = (0, 0)
 
-    def store(
-        self, key: DHTID, value: Any, expiration_time: float, subkey: Any = None
-    ) -> bool:  # hivemind's signature; ``value`` is bytes, or a whole dictionary (its cache stores those)
+    def store(self, key: DHTID, value: Any, expiration_time: float, subkey: Any = None) -> bool:
+        """hivemind's; ``value`` is bytes, or a whole dictionary (hivemind's cache stores those)."""
         if subkey is not None:
             return self.store_subkey(key, subkey, value, expiration_time)
-        if isinstance(value, DictionaryDHTValue):
-            size = sum(size_of(k, item.value) for k, item in value.items())
-        else:
-            size = len(value)
-        if size > self.key_bytes or not self._room_for(key, size, expiration_time):
-            self._count(refused=1)
+        current = self.get(key)
+        if self.cache and key in self.kept:
             return False
+        if expiration_time < get_dht_time() or (
+            current is not None and current.expiration_time >= expiration_time
+        ):
+            return False  # hivemind's own storage refuses it: nothing is dropped for it
+        if isinstance(value, DictionaryDHTValue):
+            ledger = _Ledger({k: size_of(k, item.value) for k, item in value.items()})
+            size = ledger.total
+            if len(ledger.entries) > MAX_SUBKEYS:
+                return self._refuse()
+        else:
+            ledger, size = None, len(value)
+        if size > self.key_bytes or not self._room_for(key, size, expiration_time):
+            return self._refuse()
         stored = super().store(key, value, expiration_time)
         if stored:
-            self._arrivals.pop(key, None)  # a new value: none of its subkeys arrived through us
+            self._stored(key, size, ledger)
         return stored
 
     def store_subkey(self, key: DHTID, subkey: Any, value: bytes, expiration_time: float) -> bool:
+        if self.cache and key in self.kept:
+            return False
         current = self.get(key)
+        if self._refused_by_hivemind(expiration_time, current):
+            return False
         entries = (
             current.value if current is not None and isinstance(current.value, DictionaryDHTValue) else None
         )
-        held: dict[Any, tuple[int, int]] = {}
         if entries is not None:
             old = entries.get(subkey)
             if old is not None and old.expiration_time >= expiration_time:
                 return False  # hivemind keeps the entry that expires later: nothing changes
-            arrivals = self._arrivals.get(key, {})
-            held = {k: (size_of(k, item.value), arrivals.get(k, -1)) for k, item in entries.items()}
+        ledger = self._ledger(key, entries)
         size = size_of(subkey, value)
-        drop = to_drop(held, subkey, size, self.key_bytes)
-        growth = size - sum(held[k][0] for k in (drop or ())) - held.get(subkey, (0, 0))[0]
-        if drop is None or not self._room_for(key, growth, expiration_time):
-            self._count(refused=1)
-            return False
+        drop = to_drop(ledger.entries, ledger.total, subkey, size, self.key_bytes, MAX_SUBKEYS)
+        if drop is None:
+            return self._refuse()
+        after = ledger.total + size - ledger.entries.get(subkey, 0) - sum(ledger.entries[k] for k in drop)
+        if not self._room_for(key, after, expiration_time):
+            return self._refuse()
         if entries is not None and drop:
             for k in drop:
                 del entries[k]
+                ledger.drop(k)
             self._count(dropped=len(drop))
         stored = super().store_subkey(key, subkey, value, expiration_time)
         if stored:
-            arrivals = self._arrivals.setdefault(key, {})
-            for k in drop:
-                arrivals.pop(k, None)
-            arrivals[subkey] = next(self._clock)
+            ledger.add(subkey, size)
+            self._stored(key, ledger.total, ledger)
         return stored
+
+    @staticmethod
+    def _refused_by_hivemind(expiration_time: float, current: Any) -> bool:
+        """Whether hivemind's own storage would refuse an entry under a key whose value is ``current``
+        (checked first: nothing is dropped for it)."""
+        if expiration_time < get_dht_time():
+            return True
+        return (
+            current is not None
+            and not isinstance(current.value, DictionaryDHTValue)
+            and current.expiration_time >= expiration_time
+        )
+
+    def _ledger(self, key: DHTID, entries: DictionaryDHTValue | None) -> _Ledger:
+        """The key's ledger, without the entries that expired since the last store (every entry comes through
+        here, so the ledger holds every entry held, and as many means the same ones)."""
+        if entries is None:
+            return _Ledger()
+        ledger = self._entries.get(key)
+        if ledger is None or len(ledger.entries) != len(entries):  # some expired: a pass over the key
+            known = ledger.entries if ledger is not None else {}
+            present = entries.data
+            unknown = {k: size_of(k, item.value) for k, item in entries.items() if k not in known}
+            ledger = _Ledger({**unknown, **{k: nbytes for k, nbytes in known.items() if k in present}})
+        return ledger
+
+    def _stored(self, key: DHTID, size: int, ledger: _Ledger | None) -> None:
+        if ledger is not None:
+            self._entries[key] = ledger
+        else:
+            self._entries.pop(key, None)  # a plain value replaced whatever was there
+        if key not in self.kept:
+            self._other_total += size - self._others.pop(key, 0)
+            self._others[key] = size
+
+    def _room_for(self, key: DHTID, size: int, expiration_time: float) -> bool:
+        """Whether ``key``'s value may be ``size`` bytes, until ``expiration_time``; makes room among the other
+        keys by dropping those stored longest ago."""
+        if key in self.kept:
+            return True
+        if expiration_time > get_dht_time() + MAX_OTHER_TTL_S or size > self.other_bytes:
+            return False
+        held = len(self.data) - sum(k in self.data for k in self.kept)  # self.get dropped what expired
+        if len(self._others) != held:  # some expired since: a pass over the other keys
+            for gone in [k for k in self._others if k not in self.data]:
+                self._other_total -= self._others.pop(gone)
+                self._entries.pop(gone, None)
+        total = self._other_total - self._others.get(key, 0) + size
+        count = len(self._others) + (key not in self._others)
+        dropped = 0
+        while total > self.other_bytes or count > MAX_OTHER_KEYS:
+            oldest = next(k for k in self._others if k != key)
+            nbytes = self._others.pop(oldest)
+            self._other_total -= nbytes
+            total, count = total - nbytes, count - 1
+            del self[oldest]
+            self._entries.pop(oldest, None)
+            dropped += 1
+        if dropped:
+            self._count(dropped=dropped)
+        return True
+
+    def _refuse(self) -> bool:
+        self._count(refused=1)
+        return False
 
     def _count(self, *, dropped: int = 0, refused: int = 0) -> None:
         self.dropped += dropped
@@ -177,32 +295,3 @@ class BoundedStorage(DHTLocalStorage):
                 other_bytes=self.other_bytes,
             )
             self._warned_at, self._warned_counts = time.monotonic(), (self.dropped, self.refused)
-
-    def _room_for(self, key: DHTID, growth: int, expiration_time: float) -> bool:
-        """Whether a value under ``key`` may grow by ``growth`` bytes and live until ``expiration_time``."""
-        if key in self.kept:
-            return True
-        if expiration_time > get_dht_time() + MAX_OTHER_TTL_S:
-            return False
-        if time.monotonic() - self._counted_at >= RECOUNT_S:
-            self._recount()
-        if self._other_total + growth > self.other_bytes:
-            return False
-        self._other_total += max(growth, 0)
-        return True
-
-    def _recount(self) -> None:
-        """Count the bytes under other keys from what is held; forget the arrivals of keys gone."""
-        total = 0
-        present = set()
-        for key, item in self.items():
-            present.add(key)
-            if key in self.kept:
-                continue
-            if isinstance(item.value, DictionaryDHTValue):
-                total += sum(size_of(k, entry.value) for k, entry in item.value.items())
-            else:
-                total += len(item.value)
-        self._other_total, self._counted_at = total, time.monotonic()
-        for key in self._arrivals.keys() - present:
-            del self._arrivals[key]

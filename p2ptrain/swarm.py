@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import functools
 import os
 import re
 import tempfile
@@ -51,7 +50,7 @@ from pydantic.v1 import BaseModel
 from p2ptrain.addrs import SwarmError, is_loopback, read_maddrs_file
 from p2ptrain.board import REPLICAS, BoardService, records_from_dht_value, share_period_s
 from p2ptrain.config import ExperimentConfig, SwarmConfig
-from p2ptrain.dhtstorage import BoundedStorage
+from p2ptrain.dhtstorage import make_storage
 from p2ptrain.experiment import EXPERIMENTS_KEY, Experiment, ExperimentRecord, published, sign
 from p2ptrain.experiment import subkey as experiment_subkey
 from p2ptrain.logs import get_logger
@@ -120,7 +119,7 @@ class WatchedDHT(ParentWatchdog, hivemind.DHT):
         self._inner_pipe = WholeMessages(self._inner_pipe)  # type: ignore[has-type]  # hivemind's, untyped
         # hivemind makes the node's storage (and its cache) in DHTProtocol.create by this name; in this child
         # only, it is ours, which keeps every answer to a read within one message (dhtstorage.py).
-        dht_protocol.DHTLocalStorage = functools.partial(BoundedStorage, kept=self._kept_keys)  # type: ignore[misc]
+        dht_protocol.DHTLocalStorage = make_storage(self._kept_keys)  # type: ignore[misc,assignment]
         super().run()
 
 
