@@ -85,7 +85,8 @@ def resume_wait_s(base_s: float, last_wait_s: float | None, trained_s: float | N
     Args:
         base_s: ``schedule.resume_after_s``.
         last_wait_s: the wait before the last resume (None: the peer never paused).
-        trained_s: how long it ran between that resume and this pause (None: it never resumed).
+        trained_s: how long it trained between that resume and this pause, from its first check after the
+            resume (None: it never resumed).
     """
     if last_wait_s is None or trained_s is None or trained_s >= last_wait_s:
         return base_s
@@ -108,12 +109,17 @@ class Schedule:
         """How long the machine must stay free before the peer resumes from this (or its last) pause."""
         self._waited_s: float | None = None
         self._resumed_at: float | None = None
+        self._resuming = False
+        """Resumed, and not asked since: the next check comes when the peer trains again (after it caught up
+        with the swarm, which can take longer than it waited), and the time it trained counts from there."""
 
     def check(self) -> str | None:
         """None: train. Otherwise why the peer is paused (or stays paused until the machine has been free
         for :attr:`wait_s`: ``schedule.resume_after_s``, more after flaps, :func:`resume_wait_s`). Cheap between
         readings: call it every step."""
         now = self.clock()
+        if self._resuming:
+            self._resumed_at, self._resuming = now, False
         if now - self._checked < self.cfg.check_every_s:
             return self._paused_for
         self._checked = now
@@ -128,7 +134,7 @@ class Schedule:
                 self._clear_since = now
             if now - self._clear_since >= self.wait_s:
                 self._paused_for, self._clear_since = None, None
-                self._waited_s, self._resumed_at = self.wait_s, now
+                self._waited_s, self._resuming = self.wait_s, True
         return self._paused_for
 
 

@@ -113,6 +113,25 @@ def test_a_peer_that_pauses_again_right_after_resuming_waits_longer_each_time():
     assert waits[:6] == [10, 20, 40, 80, 160, 160], "doubling, up to 16 x resume_after_s"
     assert resumes <= 2000 // 160 + 5, f"{resumes} resumes in 2000 s: it kept flapping"
 
+    # What counts is the time it trained: a resumed peer first catches up with the swarm (it may load the
+    # swarm's state), and it asks the schedule again only once it trains.
+    resumed = Schedule(
+        ScheduleConfig(max_other_cpu=0.6, check_every_s=1, resume_after_s=10),
+        FakeMachine(0.9),
+        lambda: clock[0],
+    )
+    clock[0] = 0.0
+    assert resumed.check() is not None and resumed.wait_s == 10
+    resumed.machine.other_cpu = 0.1
+    for t in range(1, 30):
+        clock[0] = float(t)
+        if resumed.check() is None:
+            break
+    assert clock[0] == 11.0, "resumed once free for 10 s"
+    clock[0] += 100.0  # catching up: no check meanwhile
+    resumed.machine.other_cpu = 0.9
+    assert resumed.check() is not None and resumed.wait_s == 20, "paused at its first step: a flap"
+
     # Once the load is gone and the peer trained longer than it last waited, a pause waits the base again.
     assert resume_wait_s(10, 160, 161) == 10 and resume_wait_s(10, 160, 30) == 160
     assert resume_wait_s(10, None, None) == 10 and resume_wait_s(10, 10, 2) == 20
