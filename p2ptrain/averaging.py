@@ -121,13 +121,16 @@ STALLED_DOWNLOAD_S = 60.0
 """How long a donor waits for a downloader to take the next piece of its state: a stream nobody reads
 ends then, and frees its copy (a slow link only makes each piece slower, never this slow)."""
 IDLE_DOWNLOAD_S = 10.0
-"""With all :data:`MAX_SERVING` places taken, a download whose reader has taken no piece for this long gives
+"""With all :data:`MAX_SERVING` places taken, a download whose reader has left a piece waiting this long gives
 its place to a new downloader..."""
 MIN_SERVING_RATE = 128 * 1024
-"""...as does one that has taken less than this many bytes a second (1 Mbit/s) since it began, once it has
-run :data:`RATE_JUDGED_S`: a few identities that read a piece now and then would otherwise hold every place
+"""...as does one that has taken less than this many bytes a second (1 Mbit/s) since its first piece, once that
+is :data:`RATE_JUDGED_S` ago: a few identities that read a piece now and then would otherwise hold every place
 of a donor, and newcomers could not load the swarm's state from it (:func:`to_preempt`)."""
 RATE_JUDGED_S = 30.0
+RENEWAL_S = 2 * RATE_JUDGED_S
+"""A peer that asks for the state again this soon after a download of its own ended unfinished goes on with
+that download's count: renewing a download every few seconds does not make a slow reader a new one."""
 
 
 @dataclass
@@ -136,21 +139,33 @@ class _Serving:
 
     task: asyncio.Task | None
     """Its handler's task (hivemind makes one per stream): cancelling it ends the download."""
-    started: float
-    piece_at: float
-    """When its reader last took a piece (monotonic)."""
+    first_piece_at: float | None = None
+    """When its first piece was ready (monotonic): what its rate counts from (making the state ready, which
+    the donor does, is not the reader's time)."""
     sent: int = 0
     """Bytes its reader has taken."""
+    waiting_since: float | None = None
+    """Since when a piece has waited for the reader to take it (None: none waits: the donor is making the
+    next)."""
+    last_at: float = 0.0
+    """When it last moved (began, or a piece was taken): a download that took nothing for twice
+    :data:`STALLED_DOWNLOAD_S` has ended."""
 
 
 def to_preempt(serving: Mapping[str, _Serving], now: float) -> str | None:
-    """Which download ends to make place for a new one when every place is taken: the one idle longest, if
-    it has been idle :data:`IDLE_DOWNLOAD_S`; else the slowest that has run :data:`RATE_JUDGED_S` and read
-    under :data:`MIN_SERVING_RATE`; else none (the newcomer asks another donor)."""
-    idle = max(serving, key=lambda p: now - serving[p].piece_at, default=None)
-    if idle is not None and now - serving[idle].piece_at >= IDLE_DOWNLOAD_S:
+    """Which download ends to make place for a new one when every place is taken: the one whose reader has
+    left a piece waiting longest, if for :data:`IDLE_DOWNLOAD_S`; else the slowest whose first piece is
+    :data:`RATE_JUDGED_S` ago and that read under :data:`MIN_SERVING_RATE` since; else none (the newcomer
+    asks another donor)."""
+    waits = {p: now - s.waiting_since for p, s in serving.items() if s.waiting_since is not None}
+    idle = max(waits, key=waits.__getitem__, default=None)
+    if idle is not None and waits[idle] >= IDLE_DOWNLOAD_S:
         return idle
-    rates = {p: s.sent / (now - s.started) for p, s in serving.items() if now - s.started >= RATE_JUDGED_S}
+    rates = {
+        p: s.sent / (now - s.first_piece_at)
+        for p, s in serving.items()
+        if s.first_piece_at is not None and now - s.first_piece_at >= RATE_JUDGED_S
+    }
     slowest = min(rates, key=rates.__getitem__, default=None)
     return slowest if slowest is not None and rates[slowest] < MIN_SERVING_RATE else None
 
@@ -972,6 +987,8 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
         self._refused_at: dict[str, float] = {}
         self._serving: dict[str, _Serving] = {}
         """The peers we are sending our state to (``rpc_download_state``)."""
+        self._unfinished: dict[str, tuple[float, float, int]] = {}
+        """Downloads that ended unfinished lately, by peer: when, their first piece's time and their bytes."""
         self._groupmates: dict[bytes, set[PeerID]] = {}
         self._held_ids: collections.deque[bytes] = collections.deque(maxlen=64)
         """The ids of the groups we held last (a part sent under one of them is a late one)."""
@@ -1169,47 +1186,61 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
         now = time.monotonic()
         # A download that took no piece for twice the stall limit has ended (cancelled below), whether or not
         # its generator was closed yet.
-        self._serving = {p: s for p, s in self._serving.items() if now - s.piece_at < 2 * STALLED_DOWNLOAD_S}
-        if peer not in self._serving and len(self._serving) >= MAX_SERVING:
-            victim = to_preempt(self._serving, now)
-            if victim is not None:
-                ended = self._serving.pop(victim)
-                if ended.task is not None:
-                    ended.task.cancel()
-                log.info(
-                    "ended a slow state download to serve another",
-                    slow=victim[-8:],
-                    idle_s=round(now - ended.piece_at, 1),
-                    bytes_per_s=round(ended.sent / max(now - ended.started, 1e-9)),
-                    to=peer[-8:],
-                )
-        if peer in self._serving or len(self._serving) >= MAX_SERVING:
+        self._serving = {p: s for p, s in self._serving.items() if now - s.last_at < 2 * STALLED_DOWNLOAD_S}
+        self._unfinished = {p: u for p, u in self._unfinished.items() if now - u[0] < RENEWAL_S}
+        if peer in self._serving:  # it asks again (its last stream broke, or it opens more): that one ends
+            self._end_download(peer, now, reason="the peer asked again")
+        elif len(self._serving) >= MAX_SERVING and (victim := to_preempt(self._serving, now)) is not None:
+            self._end_download(victim, now, reason=f"to serve {peer[-8:]}")
+        if len(self._serving) >= MAX_SERVING:
             # The downloader asks its next donor (hivemind sends the error back to it).
             raise PermissionError(
-                f"{self.peer_id} is sending its state to {len(self._serving)} peers"
-                + (", this one among them" if peer in self._serving else "")
-                + ": ask another donor"
+                f"{self.peer_id} is sending its state to {len(self._serving)} peers: ask another donor"
             )
         # A stream whose reader stalls blocks hivemind's handler in a write that nothing else ends: cancel it
         # when one piece has waited too long (the handler's task is ours alone: hivemind makes one per stream).
         # Not the whole download: a large state over a slow link takes as long as it takes.
         task, loop = asyncio.current_task(), asyncio.get_running_loop()
         # Ours alone: a finished download of this peer's, closed late, must not free a newer one.
-        serving = self._serving[peer] = _Serving(task, started=now, piece_at=now)
+        serving = self._serving[peer] = _Serving(task, last_at=now)
+        if peer in self._unfinished:  # a renewal: its rate goes on from the last download's
+            _, serving.first_piece_at, serving.sent = self._unfinished.pop(peer)
         stalled = None
+        finished = False
         try:
             async for message in super().rpc_download_state(request, context):
                 stalled = loop.call_later(STALLED_DOWNLOAD_S, task.cancel) if task else None
+                serving.waiting_since = time.monotonic()
+                if serving.first_piece_at is None:
+                    serving.first_piece_at = serving.waiting_since
                 yield message  # hivemind writes it to the stream before it asks for the next
                 if stalled is not None:
                     stalled.cancel()
-                serving.piece_at = time.monotonic()
+                serving.waiting_since, serving.last_at = None, time.monotonic()
                 serving.sent += len(message.metadata) + len(message.tensor_part.buffer)
+            finished = True
         finally:
             if stalled is not None:
                 stalled.cancel()
-            if self._serving.get(peer) is serving:
+            if self._serving.get(peer) is serving:  # not ended by _end_download, which did this itself
                 del self._serving[peer]
+                if not finished and serving.first_piece_at is not None:
+                    self._unfinished[peer] = (time.monotonic(), serving.first_piece_at, serving.sent)
+
+    def _end_download(self, peer: str, now: float, *, reason: str) -> None:
+        """End the state download we serve ``peer`` (its handler's task is cancelled) and free its place."""
+        ended = self._serving.pop(peer)
+        if ended.task is not None:
+            ended.task.cancel()
+        if ended.first_piece_at is not None:  # its count goes on if it asks again (RENEWAL_S)
+            self._unfinished[peer] = (now, ended.first_piece_at, ended.sent)
+        log.info(
+            "ended a state download",
+            peer=peer[-8:],
+            why=reason,
+            waiting_s=None if ended.waiting_since is None else round(now - ended.waiting_since, 1),
+            bytes_sent=ended.sent,
+        )
 
     def run(self) -> None:
         self._start_parent_watchdog(lambda: self._outer_pipe.send(("_shutdown", [self.shutdown_timeout], {})))

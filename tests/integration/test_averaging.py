@@ -625,6 +625,68 @@ def test_a_download_whose_reader_takes_nothing_gives_its_place_to_a_newcomer(swa
     assert all(torch.equal(a, b) for a, b in zip(got[2], snapshot.params + snapshot.momentum))
 
 
+class RenewsItsDownload(ExactAverager):
+    """Holds a donor's place as an identity would that renews its download before anyone judges it: every
+    half second it asks for the state again, takes one piece and only then drops its last stream, so that
+    its place is never free."""
+
+    async def _download_one(self, peer):
+        stub = ExactAverager.get_stub(self._p2p, peer, namespace=self.prefix)
+        last = None
+        while True:
+            stream = None
+            with contextlib.suppress(Exception):  # refused while another holds the place: ask again
+                stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
+                async for _ in stream:
+                    break
+            if last is not None:
+                with contextlib.suppress(Exception):
+                    await last.aclose()
+            last = stream
+            await asyncio.sleep(0.5)
+
+
+def test_a_reader_that_renews_its_download_is_judged_on_all_of_it(swarm_of, monkeypatch):
+    """A download's rate counts from its first piece; a peer that asks again soon after its last download
+    ended unfinished goes on with that one's count. Before, renewing every few seconds kept a download from
+    ever being judged, and the place from any newcomer."""
+    from p2ptrain import averaging
+
+    monkeypatch.setattr(averaging, "MAX_SERVING", 1)  # before the averagers fork: their processes take it
+    monkeypatch.setattr(averaging, "RATE_JUDGED_S", 5.0)
+    # The holder takes what the stream's buffers hold each time (under 1 MB); a newcomer on loopback takes
+    # the whole state within the 5 s, before anyone judges it.
+    monkeypatch.setattr(averaging, "MIN_SERVING_RATE", 20 * 2**20)
+    shapes = [torch.Size([6_000_000])]  # 48 MB with the momentum: more than the stream's buffers hold
+    snapshot = Snapshot(
+        round=3,
+        params=[torch.randn(s) for s in shapes],
+        momentum=[torch.randn(s) for s in shapes],
+        residuals=[],
+    )
+    asked = threading.Event()
+
+    def provider():
+        asked.set()
+        return donation(snapshot, run_id="t", config_hash="c")
+
+    donor, holder, newcomer = swarm_of(
+        3,
+        classes=[ExactAverager, RenewsItsDownload, ExactAverager],
+        state_providers=[provider, lambda: ({}, []), lambda: ({}, [])],
+        shapes=shapes,
+    )
+    thread = threading.Thread(target=lambda: holder.download_state([donor.peer_id], timeout=120), daemon=True)
+    thread.start()
+    assert asked.wait(30), "the holder's download never reached the donor"
+    # Each of the holder's downloads is under a second old when the newcomer asks; their count is not.
+    deadline = time.monotonic() + 60
+    while (got := newcomer.download_state([donor.peer_id], timeout=30)) is None:
+        assert time.monotonic() < deadline, "the newcomer was refused for a minute: the holder kept the place"
+        time.sleep(0.5)
+    assert check_state(got[1], got[2], run_id="t", config_hash="c", min_round=3) is None
+
+
 def test_a_donor_that_streams_more_than_a_state_of_this_model_is_cut_off(swarm_of):
     huge = [torch.zeros(10**6)]  # 4 MB: hundreds of times what these params and momentum weigh
     newcomer, donor = swarm_of(2, state_providers=[lambda: ({}, []), lambda: ({"round": 1}, huge)])
