@@ -24,21 +24,26 @@ holder could fill every node's memory with keys of its own, kept as long as it a
   record the node stores (a store may ask to be cached: ``in_cache``). Our reads always ask for the latest
   value and nothing is cached on purpose (``swarm.DHT_TUNING``).
 
+- **A node's own read** merges the other nodes' answers into a copy, not into what its storage holds
+  (:func:`reading_a_copy`), and hivemind's expiry heaps are rebuilt as they outgrow what is held
+  (:func:`compact`). :func:`install` sets all of this up in the DHT child.
+
 Every store costs at most a pass over one key's :data:`MAX_SUBKEYS` entries and the :data:`MAX_OTHER_KEYS`
 other keys, whatever is held: sizes are counted once, when an entry arrives.
 """
 
 from __future__ import annotations
 
+import heapq
 import time
 from collections import OrderedDict
-from collections.abc import Collection, Hashable, Mapping
+from collections.abc import Callable, Collection, Hashable, Mapping
 from typing import Any
 
 from hivemind.dht.routing import DHTID
 from hivemind.dht.storage import DHTLocalStorage, DictionaryDHTValue
 from hivemind.utils import MSGPackSerializer
-from hivemind.utils.timed_storage import get_dht_time
+from hivemind.utils.timed_storage import TimedStorage, ValueWithExpiration, get_dht_time
 
 from p2ptrain.logs import get_logger
 
@@ -117,6 +122,54 @@ class _Ledger:
         self.total += size
 
 
+def install(kept: Collection[DHTID]) -> None:
+    """Bound this process's DHT node (call it in the DHT child, before the node is made): its storage and
+    cache are :class:`BoundedStorage`, and its reads leave the storage alone (:func:`reading_a_copy`)."""
+    from hivemind.dht import node as dht_node
+    from hivemind.dht import protocol as dht_protocol
+
+    dht_protocol.DHTLocalStorage = make_storage(kept)  # type: ignore[misc,assignment]
+    dht_node._SearchState.add_candidate = reading_a_copy(dht_node._SearchState.add_candidate)  # type: ignore[method-assign]
+
+
+def reading_a_copy(add_candidate: Callable) -> Callable:
+    """hivemind's ``_SearchState.add_candidate``, adopting a copy of a dictionary value, not the value itself.
+
+    A read of a key starts from the node's own storage and merges every other node's answer into the first
+    dictionary it found: the very one the storage holds. So a read wrote whatever the others answered into the
+    storage, past every bound here (a holder of the run's key read three nodes' worth into it, over what one
+    answer holds), and an older copy of an entry merged in took the newer one's place in hivemind's expiry
+    order, which then dropped it early."""
+
+    def add_candidate_copy(self: Any, candidate: Any, source_node_id: Any) -> Any:
+        if (
+            candidate is not None
+            and isinstance(candidate.value, DictionaryDHTValue)
+            and not isinstance(self.binary_value, DictionaryDHTValue)
+        ):
+            candidate = ValueWithExpiration(_copy(candidate.value), candidate.expiration_time)
+        return add_candidate(self, candidate, source_node_id)
+
+    return add_candidate_copy
+
+
+def _copy(value: DictionaryDHTValue) -> DictionaryDHTValue:
+    copy = DictionaryDHTValue(value.maxsize)
+    for subkey, item in value.items():
+        copy.store(subkey, item.value, item.expiration_time)
+    copy.latest_expiration_time = value.latest_expiration_time
+    return copy
+
+
+def compact(storage: TimedStorage) -> None:
+    """Rebuild hivemind's expiry heap of ``storage`` once it holds more than twice the entries held: every store
+    adds to it, and an entry replaced or dropped stays in it until its own expiration (up to 10 minutes), so
+    stores alone made it grow without bound. Amortized, a constant cost a store."""
+    if len(storage.expiration_heap) > 2 * len(storage.data) + 64:
+        storage.expiration_heap = list(storage.key_to_heap.values())
+        heapq.heapify(storage.expiration_heap)
+
+
 def make_storage(kept: Collection[DHTID]):
     """A stand-in for hivemind's ``DHTLocalStorage`` class: ``DHTProtocol.create`` makes the node's storage
     with no argument and its cache with the keyword ``maxsize`` (None by default: hivemind 1.1.12, which we
@@ -183,6 +236,7 @@ class BoundedStorage(DHTLocalStorage):
         stored = super().store(key, value, expiration_time)
         if stored:
             self._stored(key, size, ledger)
+        compact(self)
         return stored
 
     def store_subkey(self, key: DHTID, subkey: Any, value: bytes, expiration_time: float) -> bool:
@@ -215,6 +269,8 @@ class BoundedStorage(DHTLocalStorage):
         if stored:
             ledger.add(subkey, size)
             self._stored(key, ledger.total, ledger)
+            compact(self.get(key).value)
+        compact(self)
         return stored
 
     @staticmethod

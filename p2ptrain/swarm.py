@@ -36,7 +36,6 @@ from pathlib import Path
 from typing import Any
 
 import hivemind
-from hivemind.dht import protocol as dht_protocol
 from hivemind.dht.routing import DHTID
 from hivemind.dht.schema import BytesWithPublicKey, RSASignatureValidator, SchemaValidator
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
@@ -50,7 +49,7 @@ from pydantic.v1 import BaseModel
 from p2ptrain.addrs import SwarmError, is_loopback, read_maddrs_file
 from p2ptrain.board import REPLICAS, BoardService, records_from_dht_value, share_period_s
 from p2ptrain.config import ExperimentConfig, SwarmConfig
-from p2ptrain.dhtstorage import make_storage
+from p2ptrain.dhtstorage import install as install_bounds
 from p2ptrain.experiment import EXPERIMENTS_KEY, Experiment, ExperimentRecord, published, sign
 from p2ptrain.experiment import subkey as experiment_subkey
 from p2ptrain.logs import get_logger
@@ -117,9 +116,9 @@ class WatchedDHT(ParentWatchdog, hivemind.DHT):
             lambda: self._outer_pipe.send(("_shutdown", [], {})), own_process_group=True
         )
         self._inner_pipe = WholeMessages(self._inner_pipe)  # type: ignore[has-type]  # hivemind's, untyped
-        # hivemind makes the node's storage (and its cache) in DHTProtocol.create by this name; in this child
-        # only, it is ours, which keeps every answer to a read within one message (dhtstorage.py).
-        dht_protocol.DHTLocalStorage = make_storage(self._kept_keys)  # type: ignore[misc,assignment]
+        # In this child only: the node's storage, its cache and its reads keep every answer to a read within
+        # one message, and all it holds bounded (dhtstorage.py).
+        install_bounds(self._kept_keys)
         super().run()
 
 

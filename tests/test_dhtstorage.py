@@ -8,7 +8,7 @@ from collections import OrderedDict
 from hivemind.dht.routing import DHTID
 from hivemind.dht.storage import DictionaryDHTValue
 from hivemind.utils import MSGPackSerializer
-from hivemind.utils.timed_storage import get_dht_time
+from hivemind.utils.timed_storage import ValueWithExpiration, get_dht_time
 
 from p2ptrain.dhtstorage import (
     MAX_KEY_BYTES,
@@ -16,6 +16,7 @@ from p2ptrain.dhtstorage import (
     MAX_SUBKEYS,
     BoundedStorage,
     make_storage,
+    reading_a_copy,
     size_of,
     to_drop,
 )
@@ -113,3 +114,43 @@ def test_other_keys_are_bounded_together_the_oldest_dropped_first_and_bounded_in
     # The run's keys are not crowded out by others, nor bound by their time limit (their validators are).
     assert storage.store(RUN, b"x" * 50_000, now + 60, subkey=b"peer")
     assert storage.refused == 2 and storage.dropped == 2
+
+
+def test_a_read_merges_the_others_answers_into_a_copy_not_into_the_storage():
+    """hivemind's read starts from the node's own storage and merged every other answer into that very
+    dictionary: past every bound, and an older copy of an entry took the newer one's place in the expiry
+    order."""
+    from hivemind.dht.node import _SearchState
+
+    storage = BoundedStorage(kept=[RUN])
+    now = get_dht_time()
+    assert storage.store(RUN, b"mine", now + 60, subkey=b"a") and storage.store(
+        RUN, b"b", now + 60, subkey=b"b"
+    )
+    answer = DictionaryDHTValue()
+    answer.store(b"a", b"older", now + 1)
+    answer.store(b"c", b"theirs", now + 30)
+
+    def read(add_candidate) -> _SearchState:
+        search = _SearchState(RUN, sufficient_expiration_time=float("inf"))
+        add_candidate(search, storage.get(RUN), source_node_id=None)
+        add_candidate(search, ValueWithExpiration(answer, now + 30), source_node_id=None)
+        return search
+
+    search = read(reading_a_copy(_SearchState.add_candidate))
+    assert {k for k, _ in search.binary_value.items()} == {b"a", b"b", b"c"}
+    held = dict(storage.get(RUN).value.items())
+    assert set(held) == {b"a", b"b"} and held[b"a"] == ValueWithExpiration(b"mine", now + 60)
+    assert storage.get(RUN).value.key_to_heap[b"a"].expiration_time == now + 60
+    read(_SearchState.add_candidate)  # hivemind's own: the storage takes the answer in
+    assert b"c" in dict(storage.get(RUN).value.items()), "hivemind's read no longer writes into the storage"
+
+
+def test_stores_alone_do_not_grow_hivemind_s_expiry_heaps():
+    storage = BoundedStorage(kept=[RUN])
+    now = get_dht_time()
+    for i in range(5000):
+        assert storage.store(RUN, b"v", now + 60 + i * 1e-3, subkey=b"peer")
+        assert storage.store(OTHER, b"v", now + 60 + i * 1e-3)
+    assert len(storage.expiration_heap) <= 2 * len(storage.data) + 64
+    assert len(storage.get(RUN).value.expiration_heap) <= 2 + 64
