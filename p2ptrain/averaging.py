@@ -123,11 +123,16 @@ ends then, and frees its copy (a slow link only makes each piece slower, never t
 IDLE_DOWNLOAD_S = 10.0
 """With all :data:`MAX_SERVING` places taken, a download whose reader has left a piece waiting this long gives
 its place to a new downloader..."""
-MIN_SERVING_RATE = 128 * 1024
-"""...as does one that has taken less than this many bytes a second (1 Mbit/s) since its first piece, once that
-is :data:`RATE_JUDGED_S` ago: a few identities that read a piece now and then would otherwise hold every place
-of a donor, and newcomers could not load the swarm's state from it (:func:`to_preempt`)."""
+MIN_SERVING_RATE = 32 * 1024
+"""...as does one that has taken less than this many bytes a second (256 kbit/s) since its first piece, once
+that is :data:`RATE_JUDGED_S` ago: a few identities that read a piece now and then would otherwise hold every
+place of a donor, and newcomers could not load the swarm's state from it (:func:`to_preempt`). Low, because a
+donor's own upload is shared by its downloads: four at once on a 1 Mbit/s uplink are each this slow, and one
+ended is progress lost."""
 RATE_JUDGED_S = 30.0
+REASK_S = 5.0
+"""A peer that asks for the state again this soon after its last download began is refused (each download
+costs the donor a snapshot of its state); later, its earlier download ends and the new one takes its place."""
 RENEWAL_S = 2 * RATE_JUDGED_S
 """A peer that asks for the state again this soon after a download of its own ended unfinished goes on with
 that download's count: renewing a download every few seconds does not make a slow reader a new one."""
@@ -987,6 +992,8 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
         self._refused_at: dict[str, float] = {}
         self._serving: dict[str, _Serving] = {}
         """The peers we are sending our state to (``rpc_download_state``)."""
+        self._asked: dict[str, float] = {}
+        """When each peer last began a download of our state (within :data:`REASK_S`)."""
         self._unfinished: dict[str, tuple[float, float, int]] = {}
         """Downloads that ended unfinished lately, by peer: when, their first piece's time and their bytes."""
         self._groupmates: dict[bytes, set[PeerID]] = {}
@@ -1184,10 +1191,15 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
         if self._left_out.excludes(peer, math.inf):
             raise PermissionError(f"{self.peer_id} serves no state to {context.remote_id}: it is banned")
         now = time.monotonic()
-        # A download that took no piece for twice the stall limit has ended (cancelled below), whether or not
-        # its generator was closed yet.
-        self._serving = {p: s for p, s in self._serving.items() if now - s.last_at < 2 * STALLED_DOWNLOAD_S}
+        # A download that took no piece for twice the stall limit has ended, or ends now.
+        for gone in [p for p, s in self._serving.items() if now - s.last_at >= 2 * STALLED_DOWNLOAD_S]:
+            self._end_download(gone, now, reason="stalled")
         self._unfinished = {p: u for p, u in self._unfinished.items() if now - u[0] < RENEWAL_S}
+        self._asked = {p: t for p, t in self._asked.items() if now - t < REASK_S}
+        if peer in self._asked:
+            raise PermissionError(
+                f"{self.peer_id} began sending its state to {peer} under {REASK_S:.0f} s ago"
+            )
         if peer in self._serving:  # it asks again (its last stream broke, or it opens more): that one ends
             self._end_download(peer, now, reason="the peer asked again")
         elif len(self._serving) >= MAX_SERVING and (victim := to_preempt(self._serving, now)) is not None:
@@ -1203,6 +1215,7 @@ class ExactAverager(ParentWatchdog, DecentralizedAverager):
         task, loop = asyncio.current_task(), asyncio.get_running_loop()
         # Ours alone: a finished download of this peer's, closed late, must not free a newer one.
         serving = self._serving[peer] = _Serving(task, last_at=now)
+        self._asked[peer] = now
         if peer in self._unfinished:  # a renewal: its rate goes on from the last download's
             _, serving.first_piece_at, serving.sent = self._unfinished.pop(peer)
         stalled = None
