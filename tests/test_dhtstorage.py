@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import OrderedDict
 
@@ -132,10 +133,13 @@ def test_a_read_merges_the_others_answers_into_a_copy_not_into_the_storage():
     answer.store(b"c", b"theirs", now + 30)
 
     def read(add_candidate) -> _SearchState:
-        search = _SearchState(RUN, sufficient_expiration_time=float("inf"))
-        add_candidate(search, storage.get(RUN), source_node_id=None)
-        add_candidate(search, ValueWithExpiration(answer, now + 30), source_node_id=None)
-        return search
+        async def search_in_a_loop() -> _SearchState:  # hivemind's search state makes a future
+            search = _SearchState(RUN, sufficient_expiration_time=float("inf"))
+            add_candidate(search, storage.get(RUN), source_node_id=None)
+            add_candidate(search, ValueWithExpiration(answer, now + 30), source_node_id=None)
+            return search
+
+        return asyncio.run(search_in_a_loop())
 
     search = read(reading_a_copy(_SearchState.add_candidate))
     assert {k for k, _ in search.binary_value.items()} == {b"a", b"b", b"c"}

@@ -508,7 +508,7 @@ def test_a_peer_back_from_a_pause_settles_the_dispute_of_the_round_it_missed_as_
     class PausedThroughRound2(Trainer):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
-            self.schedule = types.SimpleNamespace(check=busy)
+            self.schedule = types.SimpleNamespace(check=busy, wait_s=0.0)  # what Schedule offers
 
         def settle_disputes(self, round_):
             super().settle_disputes(round_)
