@@ -588,6 +588,35 @@ class TakesOnePiece(ExactAverager):
             await asyncio.sleep(3600)
 
 
+def held_donor(swarm_of, holder_class: type[ExactAverager], holder_timeout: float):
+    """A donor of a 48 MB state (more than a stream's buffers hold), a peer of ``holder_class`` downloading
+    from it in a thread of its own, and a newcomer: (donor, newcomer, snapshot), once the holder's download
+    reached the donor."""
+    shapes = [torch.Size([6_000_000])]
+    snapshot = Snapshot(
+        round=3,
+        params=[torch.randn(s) for s in shapes],
+        momentum=[torch.randn(s) for s in shapes],
+        residuals=[],
+    )
+    asked = threading.Event()
+
+    def provider():
+        asked.set()
+        return donation(snapshot, run_id="t", config_hash="c")
+
+    donor, holder, newcomer = swarm_of(
+        3,
+        classes=[ExactAverager, holder_class, ExactAverager],
+        state_providers=[provider, lambda: ({}, []), lambda: ({}, [])],
+        shapes=shapes,
+    )
+    download = lambda: holder.download_state([donor.peer_id], timeout=holder_timeout)  # noqa: E731
+    threading.Thread(target=download, daemon=True).start()
+    assert asked.wait(30), "the holder's download never reached the donor"
+    return donor, newcomer, snapshot
+
+
 def test_a_download_whose_reader_takes_nothing_gives_its_place_to_a_newcomer(swarm_of, monkeypatch):
     """With every place of a donor taken by readers that take a piece now and then (here: one, then
     nothing), a newcomer is served, not refused until the stalled one times out: the download idle longest
@@ -596,28 +625,7 @@ def test_a_download_whose_reader_takes_nothing_gives_its_place_to_a_newcomer(swa
 
     monkeypatch.setattr(averaging, "MAX_SERVING", 1)  # before the averagers fork: their processes take it
     monkeypatch.setattr(averaging, "IDLE_DOWNLOAD_S", 1.0)
-    shapes = [torch.Size([6_000_000])]  # 48 MB with the momentum: more than the stream's buffers hold
-    snapshot = Snapshot(
-        round=3,
-        params=[torch.randn(s) for s in shapes],
-        momentum=[torch.randn(s) for s in shapes],
-        residuals=[],
-    )
-    started = threading.Event()
-
-    def provider():
-        started.set()
-        return donation(snapshot, run_id="t", config_hash="c")
-
-    donor, holder, newcomer = swarm_of(
-        3,
-        classes=[ExactAverager, TakesOnePiece, ExactAverager],
-        state_providers=[provider, lambda: ({}, []), lambda: ({}, [])],
-        shapes=shapes,
-    )
-    thread = threading.Thread(target=lambda: holder.download_state([donor.peer_id], timeout=60), daemon=True)
-    thread.start()
-    assert started.wait(30), "the holder's download never reached the donor"
+    donor, newcomer, snapshot = held_donor(swarm_of, TakesOnePiece, holder_timeout=60)
     time.sleep(3)  # the donor's writes now wait for the holder, which reads no more
     got = newcomer.download_state([donor.peer_id], timeout=60)
     assert got is not None, "the newcomer was refused: the holder kept the donor's only place"
@@ -657,28 +665,7 @@ def test_a_reader_that_renews_its_download_is_judged_on_all_of_it(swarm_of, monk
     # The holder takes what the stream's buffers hold each time (under 1 MB); a newcomer on loopback takes
     # the whole state within the 8 s, before anyone judges it.
     monkeypatch.setattr(averaging, "MIN_SERVING_RATE", 20 * 2**20)
-    shapes = [torch.Size([6_000_000])]  # 48 MB with the momentum: more than the stream's buffers hold
-    snapshot = Snapshot(
-        round=3,
-        params=[torch.randn(s) for s in shapes],
-        momentum=[torch.randn(s) for s in shapes],
-        residuals=[],
-    )
-    asked = threading.Event()
-
-    def provider():
-        asked.set()
-        return donation(snapshot, run_id="t", config_hash="c")
-
-    donor, holder, newcomer = swarm_of(
-        3,
-        classes=[ExactAverager, RenewsItsDownload, ExactAverager],
-        state_providers=[provider, lambda: ({}, []), lambda: ({}, [])],
-        shapes=shapes,
-    )
-    thread = threading.Thread(target=lambda: holder.download_state([donor.peer_id], timeout=120), daemon=True)
-    thread.start()
-    assert asked.wait(30), "the holder's download never reached the donor"
+    donor, newcomer, _ = held_donor(swarm_of, RenewsItsDownload, holder_timeout=120)
     # Each of the holder's downloads is under 8 s old when the newcomer asks; their count is not.
     deadline = time.monotonic() + 60
     while (got := newcomer.download_state([donor.peer_id], timeout=30)) is None:

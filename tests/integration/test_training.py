@@ -14,31 +14,25 @@ from tests.integration.conftest import TINY
 pytestmark = pytest.mark.integration
 
 
-def test_demo_three_peers_end_with_identical_params_and_lower_loss(tmp_path):
+def demo(tmp_path, peers: int, sets: list[str], timeout: float) -> tuple[subprocess.CompletedProcess, dict]:
+    """``p2ptrain demo`` of ``peers`` peers on the tiny config, its workdir ``tmp_path/demo``: (the finished
+    process, its summary), once it exited 0."""
     summary_path = tmp_path / "summary.json"
     out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "p2ptrain",
-            "demo",
-            "--peers",
-            "3",
-            "--config",
-            str(TINY),
-            "--set",
-            "averaging.target_group_size=3",  # every round's group forms as soon as all three are in
-            "--workdir",
-            str(tmp_path / "demo"),
-            "--summary-json",
-            str(summary_path),
-        ],
+        [sys.executable, "-m", "p2ptrain", "demo", "--peers", str(peers), "--config", str(TINY)]
+        + [arg for value in sets for arg in ("--set", value)]
+        + ["--workdir", str(tmp_path / "demo"), "--summary-json", str(summary_path)],
         capture_output=True,
         text=True,
-        timeout=240,
+        timeout=timeout,
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    summary = json.loads(summary_path.read_text())
+    return out, json.loads(summary_path.read_text())
+
+
+def test_demo_three_peers_end_with_identical_params_and_lower_loss(tmp_path):
+    # every round's group forms as soon as all three are in
+    out, summary = demo(tmp_path, 3, ["averaging.target_group_size=3"], timeout=240)
     assert summary["peers"] == 3 and summary["rounds"] == 3 and summary["compression"] == "int8"
     assert len(summary["final_params_sha256"]) == 3 and len(set(summary["final_params_sha256"])) == 1
     assert summary["final_val_loss"] < summary["initial_val_loss"] - 0.5
@@ -59,32 +53,7 @@ def test_four_real_peers_verify_every_round_of_a_verifiable_run(tmp_path):
     the in-memory swarm; this is what only real peers show (a record field the real swarm lacked crashed
     every verifiable round at its first claim, while the in-memory swarm trained on)."""
     workdir = tmp_path / "demo"
-    summary_path = tmp_path / "summary.json"
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "p2ptrain",
-            "demo",
-            "--peers",
-            "4",
-            "--config",
-            str(TINY),
-            "--set",
-            "verification.replicas=2",
-            "--set",
-            "averaging.target_group_size=4",
-            "--workdir",
-            str(workdir),
-            "--summary-json",
-            str(summary_path),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    summary = json.loads(summary_path.read_text())
+    _, summary = demo(tmp_path, 4, ["verification.replicas=2", "averaging.target_group_size=4"], timeout=300)
     assert len(set(summary["final_params_sha256"])) == 1, summary["final_params_sha256"]
     for log in sorted(workdir.glob("peer*.log")):
         lines = [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
