@@ -158,14 +158,27 @@ class DiLoCo:
         self._version = 0  # bumped whenever master changes; keys the cached params hash
         self._hash: tuple[int, str] | None = None
         self._detached: _Detached | None = None
+        # After a rebase: the pseudo-gradient kept, and the versions of the tensors it stands for (_versions).
+        self._rebased: tuple[list[torch.Tensor], list[int]] | None = None
 
     def pseudo_gradient(self) -> list[torch.Tensor]:
-        """delta = master - local, in float32 on CPU (while detached: the frozen one)."""
+        """delta = master - local, in float32 on CPU (while detached: the frozen one; after a rebase, the one
+        kept, bit for bit, until the master or the model changes)."""
         detached = self._detached
         if detached is not None:
             return [d.clone() for d in detached.delta]
+        if self._rebased is not None:
+            delta, versions = self._rebased
+            if versions == self._versions():
+                return [d.clone() for d in delta]
+            self._rebased = None
         with torch.no_grad():
             return [m - p.detach().to("cpu", torch.float32) for m, p in zip(self.master, self.model_params)]
+
+    def _versions(self) -> list[int]:
+        """torch's version counters of the master and model params: any in-place change bumps them (an inner
+        step, an outer step, a load)."""
+        return [t._version for t in (*self.master, *self.model_params)]
 
     @property
     def detached(self) -> bool:
@@ -256,6 +269,9 @@ class DiLoCo:
         with torch.no_grad():
             for p, m, d in zip(self.model_params, self.master, delta):
                 p.copy_((m - d).to(p.device, p.dtype))
+        # master - (master - delta) is delta only up to rounding: a verifiable round's parts, sealed before
+        # the rebase, would differ from those sent after it, and its reducers would refuse us for good.
+        self._rebased = ([d.detach().to("cpu", torch.float32, copy=True) for d in delta], self._versions())
 
     def sync(
         self,

@@ -162,6 +162,28 @@ def test_state_roundtrip_and_rebase():
     assert all(torch.allclose(x, y) for x, y in zip(b.pseudo_gradient(), delta))
 
 
+def test_a_rebase_keeps_the_pseudo_gradient_bit_for_bit_until_the_params_change():
+    """A verifiable round seals its parts before the barrier, where a peer may rebase: what it sends after
+    must be what it sealed, or its reducers refuse it for good (in-memory swarm after a split, 2026-12-08)."""
+    torch.manual_seed(0)
+    model = nn.Linear(64, 64)
+    d = DiLoCo(model, lr=0.7, momentum=0.9, nesterov=True)
+    with torch.no_grad():
+        for p in d.model_params:
+            p.add_(torch.randn_like(p) * 1e-3)
+    delta = d.pseudo_gradient()
+    new_master = [m + torch.randn_like(m) for m in d.master]
+    d.load_state_tensors([*new_master, *d.momentum_buffers()], round=d.round)
+    recomputed = [m - (m - x) for m, x in zip(d.master, delta)]
+    assert not all(torch.equal(a, b) for a, b in zip(recomputed, delta))  # rounding: why it is kept
+    d.rebase(delta)
+    assert all(torch.equal(a, b) for a, b in zip(d.pseudo_gradient(), delta))
+    with torch.no_grad():
+        model.weight.add_(1.0)  # an inner step, say: the pseudo-gradient is master - local again
+    assert not torch.equal(d.pseudo_gradient()[0], delta[0])
+    assert torch.equal(d.pseudo_gradient()[0], d.master[0] - model.weight.detach())
+
+
 def test_load_state_rejects_mismatched_or_non_finite():
     d = DiLoCo(nn.Linear(3, 2), lr=0.7, momentum=0.9, nesterov=True)
     good = d.state_tensors()
