@@ -19,7 +19,8 @@ The rules, in the order a round meets them (docs/architecture.md has them in one
 * **Roster** (:func:`roster`). A round's data shards go to the sorted ids of the peers of the round.
 * **Barrier** (:func:`barrier`). After its inner phase a peer waits for every live peer that will train
   its round (those in it, and those one round behind) to finish theirs, until a deadline; if the swarm
-  moves past its round meanwhile, its pseudo-gradient is stale: it drops it and catches up.
+  moves past its round meanwhile, its pseudo-gradient is stale: it drops it and catches up. A peer whose
+  params nobody else holds (:func:`lone`) waits for every peer behind it: they cannot load its state.
 * **Settle the group** (:func:`settle`). Past the barrier a peer says whom it found ready, and averages
   with everyone its group's members name (and so on): peers whose barriers saw a late peer differently
   still go into one all-reduce.
@@ -196,6 +197,8 @@ class SwarmMemory:
         self._final_votes: dict[str, Vote] = {}
         self._ignored: set[str] = set()
         self._waited_out: dict[str, int] = {}
+        # Of _waited_out, those marked when nobody was ready: their progress (progress_of) then.
+        self._cut_off: dict[str, Progress] = {}
         self._unsaid: dict[str, int] = {}
         self._lock = threading.Lock()
 
@@ -222,6 +225,11 @@ class SwarmMemory:
         3 of the attack benchmark, 2026-12-06)."""
         believed = records if my_round is None else credible(records, my_round)
         with self._lock:
+            for pid, then in list(self._cut_off.items()):
+                r = records.get(pid)
+                if r is not None and progress_of(r) != then:
+                    # It moved on since: we were cut off from it, it did not hang. Wait for it again.
+                    del self._cut_off[pid], self._waited_out[pid]
             for pid in distrusted:
                 self._claims.pop(pid, None)
             for pid, r in records.items():
@@ -246,8 +254,28 @@ class SwarmMemory:
         averaged with since (an honest peer that was slow once is waited for again after that)."""
         return self._recent(self._waited_out, my_round)
 
-    def waited_out_on(self, peers: Iterable[str], round: int) -> None:
+    def waited_out_on(
+        self,
+        peers: Iterable[str],
+        round: int,
+        *,
+        nobody_ready: Mapping[str, Progress] | None = None,
+    ) -> None:
+        """Mark ``peers`` as waited out in ``round``.
+
+        ``nobody_ready``: the barrier found none of the round's peers ready, so it cannot tell hung peers
+        from being cut off from them (a network outage times every barrier out at once: each peer then marked
+        every other, and averaged alone for 16 rounds). It maps each of ``peers`` to its progress
+        (:func:`progress_of`) as its record showed it. Such a mark is lifted as soon as the peer is seen to
+        have moved on. A hung peer's record stays as it was, and keeps its mark.
+        """
+        peers = list(peers)
         self._mark(self._waited_out, peers, round)
+        with self._lock:
+            for p in peers:
+                self._cut_off.pop(p, None)
+                if nobody_ready is not None and p in nobody_ready:
+                    self._cut_off[p] = nobody_ready[p]
 
     def unsaid(self, my_round: int) -> set[str]:
         """Peers :func:`settle` waited for in vain in the last ``WAITED_OUT_ROUNDS`` rounds: not waited for
@@ -269,6 +297,7 @@ class SwarmMemory:
         with self._lock:
             for p in peers:
                 self._waited_out.pop(p, None)
+                self._cut_off.pop(p, None)
 
     def give_up_on(self, peers: Iterable[str], my_round: int) -> None:
         """We could not get the newer state these peers hold: go on from ours, and stop counting them as
@@ -491,6 +520,10 @@ def barrier(
     behind = [r for r in others.values() if r.round == me.round - 1 and r.state in coming]
     ready = sorted((r for r in same if r.state == PeerState.AVERAGING), key=lambda r: r.peer_id)
     skip = set(not_waited)
+    if lone(me, others):
+        # Nobody can load our state: those behind us come to our round by training, or never meet us.
+        training = (PeerState.TRAINING, PeerState.AVERAGING)
+        behind += [r for r in others.values() if r.round < me.round - 1 and r.state in training]
     waiting = sorted(
         pid
         for pid in [r.peer_id for r in same if r.state != PeerState.AVERAGING] + [r.peer_id for r in behind]
@@ -501,6 +534,44 @@ def barrier(
     if now >= deadline:
         return Barrier(BarrierState.GO, ready, waiting, timed_out=True)
     return Barrier(BarrierState.WAIT, ready, waiting)
+
+
+Progress = tuple[int, PeerState, int]
+
+
+def progress_of(record: ProgressRecord) -> Progress:
+    """Where a peer is: its round, its state, and the samples it trained in its round (its heartbeat tells
+    them as it trains). A peer that trains moves on; a hung one, or one we are cut off from, does not."""
+    return record.round, record.state, record.samples_round
+
+
+def waits_on(me: Me, others: Records, decision: Barrier) -> bool:
+    """Whether a barrier that timed out waits on rather than steps alone: a :func:`lone` peer that found
+    nobody ready. Stepping alone would only take it further from the peers it has to meet (a peer behind
+    it that still trains takes longer than a barrier timeout to come to its round when its rounds do: a
+    lone peer that stepped alone at each timeout was never caught up with). The trainer marks those it
+    waited for (:meth:`SwarmMemory.waited_out_on`), so that it waits on only for those that move."""
+    return decision.timed_out and not decision.ready and lone(me, others)
+
+
+def lone(me: Me, others: Records) -> bool:
+    """Whether we hold params that no other peer holds (our round and params hash), while two others or more
+    hold params: our claim is then credible to nobody (:func:`credible`), and a peer behind us can never
+    load our state.
+
+    A swarm split (every barrier of a round timed out: a network outage, an overloaded machine) leaves each
+    peer with params of its own, stepped alone, the fast ones further than the slow ones. If the peers ahead
+    ran on, those behind never caught up with them, and each trained alone to the end (4 in-memory peers
+    cut off from each other for 4 rounds never averaged together again in the 12 rounds left; in the
+    verification benchmark, 6 of 21 runs on an overloaded machine ended with 4 sets of params). So a lone
+    peer also waits at its barrier for every peer behind it that trains: it comes to our round by training,
+    and the canonical vote of the round they meet in (:func:`rebase_donors`) makes their params one. A peer
+    that averaged with anyone last round holds what its groupmates hold, and is not lone.
+    """
+    holders = [r for r in others.values() if r.holds_params]
+    return len(holders) >= 2 and not any(
+        r.round == me.round and r.params_hash == me.params_hash for r in holders
+    )
 
 
 @dataclass(frozen=True)

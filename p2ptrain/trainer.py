@@ -886,6 +886,19 @@ class Trainer:
                     telemetry.OUTER_STEP_FAILURES.labels(reason="stale").inc()
                     self.diloco.reset_model()
                     return None
+                if decision.state == BarrierState.GO and protocol.waits_on(
+                    self.me(), self._visible(), decision
+                ):
+                    # Those that do not move are skipped from now on; those that do are waited for again.
+                    self._waited_out(decision)
+                    deadline = time.monotonic() + self.cfg.averaging.barrier_timeout_s
+                    self.log.warning(
+                        "barrier timeout, nobody ready, and nobody else holds our params: waiting on for "
+                        "the peers that still move",
+                        round=self.round,
+                        waiting_for=[pid[-8:] for pid in decision.waiting_for],
+                    )
+                    continue
                 if decision.state == BarrierState.GO:
                     break
                 waiting.update(
@@ -899,7 +912,7 @@ class Trainer:
                 if self.stop.is_set():
                     return None  # stopping: leave the round unfinished rather than step alone
         if decision.timed_out:
-            self.memory.waited_out_on(decision.waiting_for, self.round)  # not waited for again for a while
+            self._waited_out(decision)
             self.log.warning(
                 "barrier timeout: averaging without slow peers",
                 round=self.round,
@@ -915,6 +928,14 @@ class Trainer:
             canon = next(r.params_hash for r in group if r.peer_id in donors)
             self.load_state(donors, why="rebase", expect=canon, rebase=True, round=self.round)
         return group
+
+    def _waited_out(self, decision: protocol.Barrier) -> None:
+        """The peers a timed-out barrier waited for are not waited for again for a while (unless nobody was
+        ready: then only until they move, see :meth:`SwarmMemory.waited_out_on`)."""
+        seen = {p: protocol.progress_of(r) for p, r in self._visible().items()}
+        self.memory.waited_out_on(
+            decision.waiting_for, self.round, nobody_ready=None if decision.ready else seen
+        )
 
     def settle(self, ready: list[ProgressRecord]) -> list[ProgressRecord] | None:
         """Say whom our barrier found ready, and return the round's group as its members' say settles it

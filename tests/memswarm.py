@@ -100,6 +100,32 @@ class Fault:
     until: Callable[[], bool] | None = None  # with delay_s: the stall ends as soon as this holds
 
 
+class Cut:
+    """The peers lose each other (a network outage, or a machine so loaded that every push times out): from
+    when the first of them enters ``from_round`` until one of them reaches ``until_round``, each reads the
+    others' records as they were when the cut began, and every all-reduce fails."""
+
+    def __init__(self, from_round: int, until_round: int):
+        self.from_round, self.until_round = from_round, until_round
+        self.frozen: dict[str, ProgressRecord] | None = None  # the records when the cut began
+        self.healed = False
+        self._lock = threading.Lock()
+
+    def on(self, rounds: list[int], records: dict[str, ProgressRecord]) -> bool:
+        """Whether the cut holds, given every peer's round now (and the records, to freeze as it begins)."""
+        with self._lock:
+            if self.frozen is None and max(rounds, default=-1) >= self.from_round:
+                self.frozen = dict(records)
+            if self.frozen is not None and max(rounds, default=-1) >= self.until_round:
+                self.healed = True
+            return self.frozen is not None and not self.healed
+
+    def seen_by(self, peer_id: str, records: dict[str, ProgressRecord]) -> dict[str, ProgressRecord]:
+        assert self.frozen is not None
+        own = {peer_id: records[peer_id]} if peer_id in records else {}
+        return {**{p: r for p, r in self.frozen.items() if p != peer_id}, **own}
+
+
 class Injector:
     """Fails (or stalls) a named peer at a named point, once."""
 
@@ -125,6 +151,7 @@ class Injector:
         # observer -> {peer: numeric class}: the observer reads those peers' records with that class, as if
         # each had changed its class between the observer's read and the other peers' (a hostile insider).
         self.misread_class: dict[str, dict[str, str]] = {}
+        self.cut: Cut | None = None
 
     def fail_at(self, peer: str | None, point: Point, round: int | None = None) -> None:
         self._faults.append(Fault(peer, point, round))
@@ -316,6 +343,8 @@ class MemoryBoard:
     def _read(self, *, trainer: bool = False) -> dict[str, ProgressRecord]:
         peer = self._peer
         records = peer.swarm.injector.seen_by(peer.name, peer.swarm.read(), trainer=trainer)
+        if peer.swarm.cut_holds():
+            records = peer.swarm.injector.cut.seen_by(peer.peer_id, records)  # type: ignore[union-attr]
         unseen = peer.swarm.injector.unseen_at_barrier.get(peer.name)
         status = peer.status
         if unseen is not None and status["round"] == unseen[1] and status["state"] == PeerState.AVERAGING:
@@ -513,12 +542,24 @@ class MemorySwarm:
         with self._lock:
             return {pid: r for pid, (r, expires) in self._store.items() if expires > now}
 
+    def cut_holds(self) -> bool:
+        """Whether the injector's :class:`Cut` keeps the peers apart now."""
+        cut = self.injector.cut
+        if cut is None or cut.healed:
+            return False
+        with self._lock:
+            peers = list(self._peers.values())
+            records = {pid: r for pid, (r, _) in self._store.items()}
+        return cut.on([p.status["round"] for p in peers], records)
+
     # --- the all-reduce
     def allreduce(
         self, peer: _Peer, parts: list[torch.Tensor], weight: float, round: int, sent: Wire
     ) -> AverageResult:
         """``parts``: the decoded parts ``peer`` sends (its ``sent`` wire's), which the group aggregates."""
         cfg = peer.cfg.averaging
+        if self.cut_holds():
+            raise AveragingFailed("cut", "the peers lost each other")
         with self._lock:
             group = self._groups.get(round)
             if group is None or group.closed.is_set():

@@ -356,6 +356,81 @@ def test_a_peer_waited_out_once_is_not_waited_for_again_but_joins_when_ready():
     assert memory.waited_out(19) == set()  # waited for again, 16 rounds later
 
 
+def test_a_peer_whose_params_nobody_else_holds_is_lone():
+    # Two others or more hold params, none of them ours (our round and hash): we stepped alone.
+    assert protocol.lone(me(3, "aa"), table(rec("a", 3, h="bb"), rec("b", 1, h="cc")))
+    assert protocol.lone(
+        me(3, "aa"), table(rec("a", 2, h="aa"), rec("b", 4, h="aa"))
+    )  # same hash, other rounds
+    assert not protocol.lone(me(3, "aa"), table(rec("a", 3, h="aa"), rec("b", 1, h="cc")))  # a holds ours
+    # One other holder believes our claim (protocol.credible): it can load our state. Loading peers hold none.
+    assert not protocol.lone(me(3, "aa"), table(rec("a", 1, h="bb"), rec("b", 1, "loading", h="bb")))
+    assert not protocol.lone(me(3, "aa"), {})
+
+
+def test_a_lone_peer_waits_for_every_peer_behind_it_and_only_a_lone_one_does():
+    # After a split each peer stepped alone, some further than others: nobody can load the state of a peer
+    # ahead (one identity), so those behind come to its round by training, and it waits for them.
+    scattered = table(rec("a", 1, "training", h="bb"), rec("b", 0, "averaging", h="cc"))
+    d = protocol.barrier(me(3, "aa"), scattered, now=0, deadline=10)
+    assert d.state == BarrierState.WAIT and d.waiting_for == ["a", "b"]
+    # Not a peer that loads someone's state (it does not train up to ours), nor a paused one.
+    idle = table(rec("l", 0, "loading", h=""), rec("p", 0, "paused", h="ee"))
+    d = protocol.barrier(me(3, "aa"), {**scattered, **idle}, now=0, deadline=10)
+    assert d.waiting_for == ["a", "b"]
+    # A peer whose groupmate holds its params waits only for its own round and the one before (the others
+    # behind load that state: it is credible).
+    held = {**scattered, "g": rec("g", 3, "averaging", h="aa")}
+    d = protocol.barrier(me(3, "aa"), held, now=0, deadline=10)
+    assert d.state == BarrierState.GO and [r.peer_id for r in d.ready] == ["g"]
+    # A peer waited out (hung: its record has not moved since) is not waited for, lone or not.
+    d = protocol.barrier(me(3, "aa"), scattered, now=0, deadline=10, not_waited={"b"})
+    assert d.waiting_for == ["a"]
+
+
+def test_a_lone_peer_whose_barrier_found_nobody_ready_waits_on():
+    scattered = table(rec("a", 1, "training", h="bb"), rec("b", 0, "averaging", h="cc"))
+    timed_out = protocol.barrier(me(3, "aa"), scattered, now=10, deadline=10)
+    assert timed_out.state == BarrierState.GO and timed_out.timed_out and not timed_out.ready
+    assert protocol.waits_on(me(3, "aa"), scattered, timed_out)
+    # Someone was ready: go with it. Not lone: step alone (the others behind can load our state).
+    with_one = {**scattered, "r": rec("r", 3, "averaging", h="dd")}
+    assert not protocol.waits_on(
+        me(3, "aa"), with_one, protocol.barrier(me(3, "aa"), with_one, now=10, deadline=10)
+    )
+    held = table(rec("a", 3, "training", h="aa"), rec("b", 3, "training", h="aa"))
+    assert not protocol.waits_on(me(3, "aa"), held, protocol.barrier(me(3, "aa"), held, now=10, deadline=10))
+    assert not protocol.waits_on(
+        me(3, "aa"), scattered, protocol.barrier(me(3, "aa"), scattered, now=0, deadline=10)
+    )
+
+
+def test_a_peer_waited_out_when_nobody_was_ready_is_waited_for_again_once_it_moves():
+    # A barrier that found nobody ready cannot tell hung peers from being cut off from them. A split timed
+    # out every barrier at once: had each peer skipped every other for 16 rounds, each averaged alone.
+    memory = SwarmMemory(num_rounds=100)
+    stuck = table(rec("a", 3, "training"), rec("b", 2, "training"), rec("c", 2, "training"))
+    seen = {pid: protocol.progress_of(r) for pid, r in stuck.items()}
+    memory.waited_out_on(["a", "b", "c"], round=3, nobody_ready=seen)
+    memory.observe(stuck, my_round=4)
+    assert memory.waited_out(4) == {"a", "b", "c"}  # as they were: hung, or we are still cut off
+    trains = stuck["c"].copy(update={"samples_round": 8})  # its heartbeat: it trains, slowly
+    memory.observe(table(rec("a", 3, "averaging"), stuck["b"], trains), my_round=4)
+    assert memory.waited_out(4) == {"b"}  # a finished its round, c trains: they move
+    memory.observe(table(rec("a", 5, "training"), rec("b", 2, "training")), my_round=5)
+    assert memory.waited_out(5) == {"b"}
+    # Waited out beside a peer that was ready: a slow or hung peer, whatever it does next.
+    memory.waited_out_on(["a"], round=5)
+    memory.observe(table(rec("a", 6, "averaging")), my_round=5)
+    assert memory.waited_out(5) == {"a", "b"}
+    # A later mark of the usual kind replaces a cut-off one, and averaging with a peer clears both.
+    memory.waited_out_on(["b"], round=6)
+    memory.observe(table(rec("b", 7, "averaging")), my_round=7)
+    assert memory.waited_out(7) == {"a", "b"}
+    memory.averaged_with(["a", "b"])
+    assert memory.waited_out(7) == set()
+
+
 def test_barrier_deadline_goes_with_whoever_is_ready():
     others = table(rec("a", 3, "averaging"), rec("b", 3, "training"))
     decision = protocol.barrier(me(), others, now=10.0, deadline=10.0)

@@ -23,7 +23,7 @@ from p2ptrain.models import build_model
 from p2ptrain.records import PeerState, ProgressRecord
 from p2ptrain.trainer import Outcome, RunResult
 from p2ptrain.transfer import donation
-from tests.memswarm import Injector, MemorySwarm, PeerThread, Point, fast_config
+from tests.memswarm import Cut, Injector, MemorySwarm, PeerThread, Point, fast_config
 
 
 @pytest.fixture(autouse=True)
@@ -484,6 +484,43 @@ def test_a_failed_group_falls_back_alone_then_everyone_rebases_onto_one_params(t
     for p in peers.values():
         if p not in alone:
             assert ("catch_up", 2) in p.trainer.loads, (p.name, p.trainer.loads)
+
+
+def cut_then_healed(tmp_path, monkeypatch, **sections) -> tuple[MemorySwarm, dict[str, PeerThread]]:
+    """4 peers of different speeds lose each other from round 3 until one of them reaches round 7: each
+    barrier times out with nobody ready, each peer steps alone (or voids its verifiable round), the fast ones
+    further than the slow ones. Then they see each other again. Returns the swarm once the run is over, after
+    checking that they all end with one final model."""
+    slowed_steps(monkeypatch, {"trainer-b": 0.01, "trainer-c": 0.02, "trainer-d": 0.04})
+    swarm = MemorySwarm()
+    swarm.injector.cut = Cut(from_round=3, until_round=7)
+    names = ["a", "b", "c", "d"]
+    # Short barrier timeouts, so that the cut spans several rounds (catch-ups give up before barriers do).
+    timers = {"averaging": {"barrier_timeout_s": 1.5}, "swarm": {"catch_up_timeout_s": 1.0}}
+    for section, values in timers.items():
+        sections[section] = {**values, **sections.get(section, {})}
+    peers = start(swarm, tmp_path, names, outer={"num_rounds": 16}, **sections)
+    finish(peers)
+    assert swarm.injector.cut.healed
+    assert_swarm_contract(tmp_path, peers, names)
+    return swarm, peers
+
+
+def assert_together_again(swarm: MemorySwarm, peers: dict[str, PeerThread]) -> None:
+    """After :func:`cut_then_healed`: the last round (15) was averaged by all four (how soon before it they
+    met depends on the machine's load), and every peer applied it."""
+    full = {round_ for round_, members in swarm.averaged if len(members) == 4}
+    assert 15 in full and not full & {3, 4, 5, 6}, sorted(full)
+    for p in peers.values():
+        assert p.trainer.rounds_applied[-1] == 15, (p.name, p.trainer.rounds_applied)
+
+
+def test_a_swarm_whose_peers_lost_each_other_for_rounds_comes_back_together(tmp_path, monkeypatch):
+    """Before 2026-12-08 it never did: every peer marked every other as waited out (not waited for in 16
+    rounds), and a peer ahead, whose params nobody else held, was credible to nobody and waited for nobody
+    behind it. Each trained alone to the end (15 rounds of 16 in this run), or stopped, stranded."""
+    swarm, peers = cut_then_healed(tmp_path, monkeypatch)
+    assert_together_again(swarm, peers)
 
 
 @pytest.mark.parametrize("overlap", [False, True])

@@ -16,8 +16,8 @@ import torch
 from p2ptrain.records import PeerState
 from p2ptrain.trainer import Trainer
 from p2ptrain.verify import Why
-from tests.memswarm import MemorySwarm, PeerThread
-from tests.test_rounds import assert_swarm_contract, finish, start
+from tests.memswarm import Injector, MemorySwarm, PeerThread
+from tests.test_rounds import assert_swarm_contract, assert_together_again, cut_then_healed, finish, start
 
 
 @pytest.fixture(autouse=True)
@@ -53,6 +53,42 @@ def test_honest_replicas_agree_every_round_and_everyone_counts(tmp_path):
             assert len(verdict.agreed) == 2 and all(len(g) == 2 for g in verdict.agreed), (name, r, verdict)
             assert max(verdict.distances.values()) <= 0.02, verdict.distances
         assert p.trainer.rounds_applied == list(range(p.cfg.outer.num_rounds))
+
+
+@pytest.mark.parametrize("rounds_to_trust", [100, 2])
+def test_a_verifiable_swarm_whose_peers_lost_each_other_comes_back_together(
+    tmp_path, monkeypatch, rounds_to_trust
+):
+    """Cut off, each peer's round is void (its replica never came; untrusted) or stepped alone (trusted, not
+    audited). Before 2026-12-08 the untrusted swarm voided every round after the cut and ended with 3 of its 4
+    peers stranded: a void round keeps the params, so no peer was lone, and each had marked every other as
+    waited out."""
+    verification = {**VERIFY, "rounds_to_trust": rounds_to_trust, "reveal_timeout_s": 5.0}
+    swarm, peers = cut_then_healed(tmp_path, monkeypatch, verification=verification)
+    assert_together_again(swarm, peers)
+    for name, p in peers.items():
+        last = [v for r, v in p.trainer.verdicts if r == 15]
+        assert len(last) == 1 and not last[0].left_out, (name, last)
+
+
+def test_a_peer_that_rebases_in_a_verifiable_round_sends_what_it_sealed(tmp_path):
+    """Trusted peers (not audited: no replicas) whose round-4 all-reduce failed each stepped alone, and all
+    but one rebase at round 5's barrier, after sealing their parts. Before 2026-12-08 the parts they sent
+    then differed from the sealed ones by rounding (DiLoCo.rebase), and their reducers refused them for good.
+    """
+    injector = Injector()
+    injector.fail_allreduce(round=4)
+    verification = {**VERIFY, "rounds_to_trust": 2, "audit_fraction": 0.0}
+    peers = start(
+        MemorySwarm(injector), tmp_path, ["a", "b", "c"], verification=verification, outer={"num_rounds": 7}
+    )
+    finish(peers)
+    assert_swarm_contract(tmp_path, peers, ["a", "b", "c"])
+    rebased = [name for name, p in peers.items() if ("rebase", 5) in p.trainer.loads]
+    assert len(rebased) == 2, {name: p.trainer.loads for name, p in peers.items()}
+    for name, p in peers.items():
+        assert not p.trainer.refused, (name, p.trainer.refused)
+        assert p.trainer.rounds_applied[-2:] == [5, 6], (name, p.trainer.rounds_applied)
 
 
 def test_an_image_classifiers_flipped_work_is_left_out_as_a_language_models_is(tmp_path):
