@@ -545,13 +545,18 @@ def progress_of(record: ProgressRecord) -> Progress:
     return record.round, record.state, record.samples_round
 
 
-def waits_on(me: Me, others: Records, decision: Barrier) -> bool:
-    """Whether a barrier that timed out waits on rather than steps alone: a :func:`lone` peer that found
-    nobody ready. Stepping alone would only take it further from the peers it has to meet (a peer behind
-    it that still trains takes longer than a barrier timeout to come to its round when its rounds do: a
-    lone peer that stepped alone at each timeout was never caught up with). The trainer marks those it
-    waited for (:meth:`SwarmMemory.waited_out_on`), so that it waits on only for those that move."""
-    return decision.timed_out and not decision.ready and lone(me, others)
+def waits_on(me: Me, others: Records, decision: Barrier, since: Mapping[str, Progress] | None = None) -> bool:
+    """Whether a barrier that timed out waits another timeout rather than steps alone: a :func:`lone` peer
+    that found nobody ready, the first time (``since`` None), and then as long as a peer it waits for moved
+    (:func:`progress_of`) since the last time (``since``: everyone's progress then). Stepping alone would
+    only take it further from the peers it has to meet: a peer behind it whose rounds take longer than a
+    barrier timeout never catches up with a lone peer that steps at each timeout. A hung peer, or one we
+    are cut off from, does not move: it costs two timeouts, and then, marked (``SwarmMemory``), none."""
+    if not (decision.timed_out and not decision.ready and lone(me, others)):
+        return False
+    if since is None:
+        return True
+    return any(p in others and progress_of(others[p]) != since.get(p) for p in decision.waiting_for)
 
 
 def lone(me: Me, others: Records) -> bool:

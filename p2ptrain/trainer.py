@@ -876,6 +876,7 @@ class Trainer:
         """
         self.board.update(state=PeerState.AVERAGING)
         deadline = time.monotonic() + self.cfg.averaging.barrier_timeout_s
+        moved_since: dict[str, protocol.Progress] | None = None  # waiting on (protocol.waits_on): since when
         with self._waiting() as waiting:
             while True:
                 decision = self._barrier_decision(deadline)
@@ -886,15 +887,15 @@ class Trainer:
                     telemetry.OUTER_STEP_FAILURES.labels(reason="stale").inc()
                     self.diloco.reset_model()
                     return None
+                others = self._visible()
                 if decision.state == BarrierState.GO and protocol.waits_on(
-                    self.me(), self._visible(), decision
+                    self.me(), others, decision, moved_since
                 ):
-                    # Those that do not move are skipped from now on; those that do are waited for again.
-                    self._waited_out(decision)
+                    moved_since = {p: protocol.progress_of(r) for p, r in others.items()}
                     deadline = time.monotonic() + self.cfg.averaging.barrier_timeout_s
                     self.log.warning(
-                        "barrier timeout, nobody ready, and nobody else holds our params: waiting on for "
-                        "the peers that still move",
+                        "barrier timeout, nobody ready, and nobody else holds our params: waiting on while "
+                        "the peers behind us move",
                         round=self.round,
                         waiting_for=[pid[-8:] for pid in decision.waiting_for],
                     )
@@ -926,7 +927,15 @@ class Trainer:
         if donors is not None:
             self.log.warning("params differ from the swarm's; rebasing onto them", round=self.round)
             canon = next(r.params_hash for r in group if r.peer_id in donors)
-            self.load_state(donors, why="rebase", expect=canon, rebase=True, round=self.round)
+            rebased = self.load_state(donors, why="rebase", expect=canon, rebase=True, round=self.round)
+            if rebased and self.verifying:
+                # The round's assignment is seeded by its params: ours were not the round's, so neither was
+                # the assignment we trained under. Our verdict reads the claims as the others read them, under
+                # the round's params (our own work is then misassigned, and we sit the round out): under ours,
+                # it disagreed with theirs, we voided rounds they stepped, and rebased again next round, for
+                # as many as 7 rounds after a split in the in-memory swarm.
+                seed = verify.assignment_seed(self.cfg.run.run_id, self.round, self.diloco.params_hash())
+                self._assigned_over = (seed, *self._assigned_over[1:])
         return group
 
     def _waited_out(self, decision: protocol.Barrier) -> None:

@@ -393,6 +393,11 @@ def test_a_lone_peer_whose_barrier_found_nobody_ready_waits_on():
     timed_out = protocol.barrier(me(3, "aa"), scattered, now=10, deadline=10)
     assert timed_out.state == BarrierState.GO and timed_out.timed_out and not timed_out.ready
     assert protocol.waits_on(me(3, "aa"), scattered, timed_out)
+    # Then, timeout after timeout, as long as one of them moved since the last: not for those that do not.
+    since = {pid: protocol.progress_of(r) for pid, r in scattered.items()}
+    assert not protocol.waits_on(me(3, "aa"), scattered, timed_out, since)
+    moved = {**scattered, "a": scattered["a"].copy(update={"samples_round": 16})}
+    assert protocol.waits_on(me(3, "aa"), moved, timed_out, since)
     # Someone was ready: go with it. Not lone: step alone (the others behind can load our state).
     with_one = {**scattered, "r": rec("r", 3, "averaging", h="dd")}
     assert not protocol.waits_on(

@@ -507,10 +507,11 @@ def cut_then_healed(tmp_path, monkeypatch, **sections) -> tuple[MemorySwarm, dic
 
 
 def assert_together_again(swarm: MemorySwarm, peers: dict[str, PeerThread]) -> None:
-    """After :func:`cut_then_healed`: the last round (15) was averaged by all four (how soon before it they
-    met depends on the machine's load), and every peer applied it."""
+    """After :func:`cut_then_healed`: all four averaged together again soon after the cut, and every peer
+    applied the last round."""
     full = {round_ for round_, members in swarm.averaged if len(members) == 4}
-    assert 15 in full and not full & {3, 4, 5, 6}, sorted(full)
+    # Not while cut off; then in every round from 3 rounds after the cut on (it takes 0 or 1 here).
+    assert not full & {3, 4, 5, 6} and set(range(10, 16)) <= full, sorted(full)
     for p in peers.values():
         assert p.trainer.rounds_applied[-1] == 15, (p.name, p.trainer.rounds_applied)
 
