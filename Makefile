@@ -43,6 +43,7 @@ bench: $(STAMP)
 	$(BIN)/python -m bench.quality --set outer.num_rounds=48 --out bench/results/quality-long.json --block quality-long
 	$(BIN)/python -m bench.compression
 	$(BIN)/python -m bench.churn
+	$(BIN)/python -m bench.split
 	$(BIN)/python -m bench.attacks --repeat 3
 	$(BIN)/python -m bench.robustness
 	$(BIN)/python -m bench.round_warmup

@@ -35,6 +35,7 @@ import asyncio
 import contextlib
 import dataclasses
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +44,7 @@ from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord
 from hivemind.p2p import PeerID
 from hivemind.utils import MSGPackSerializer
+from hivemind.utils.multiaddr import Multiaddr
 from hivemind.utils.timed_storage import get_dht_time
 
 from p2ptrain.logs import get_logger
@@ -67,6 +69,10 @@ MAX_PUSH_BYTES = 64 * 1024
 
 PUSH_TIMEOUT_S = 5.0
 """How long a push to one peer may take; a peer that does not answer gets the next one all the same."""
+
+REJOIN_S = 5.0
+"""While this node's DHT routing table is empty, or it knows no other live peer, it pings the swarm's initial
+peers and every peer whose record it has read, at most this often (:meth:`BoardService.rejoin`)."""
 
 
 def share_period_s(period_s: float, live: int) -> float:
@@ -140,8 +146,18 @@ class BoardService:
         heartbeat_s: ``swarm.heartbeat_s``: reads of the DHT that pushes ask for come at most this often.
     """
 
-    def __init__(self, node: DHTNode, *, key: str, subkey: bytes, ttl_s: float, heartbeat_s: float):
+    def __init__(
+        self,
+        node: DHTNode,
+        *,
+        key: str,
+        subkey: bytes,
+        ttl_s: float,
+        heartbeat_s: float,
+        initial_peers: Sequence[str] = (),
+    ):
         self.node = node
+        self.initial_peers = [Multiaddr(m) for m in initial_peers]
         self.key, self.key_id, self.subkey = key, DHTID.generate(source=key), subkey
         self.ttl_s, self.heartbeat_s = ttl_s, heartbeat_s
         self.me = node.peer_id.to_base58()
@@ -159,6 +175,7 @@ class BoardService:
         self._reading: asyncio.Task | None = None
         self._pushes: set[asyncio.Task] = set()
         self._discovery: asyncio.Task | None = None
+        self._rejoined_at = -float("inf")
 
     async def open(self) -> None:
         await self.node.p2p._client.add_unary_handler(PUSH_PROTOCOL, self._on_push)
@@ -260,7 +277,40 @@ class BoardService:
             period = self.heartbeat_s if alone else share_period_s(self.ttl_s, len(self._live()))
             await asyncio.sleep(max(0.0, self._read_at + period - time.monotonic()))
             if time.monotonic() - self._read_at >= period:
+                lost = alone or not self.node.protocol.routing_table.peer_id_to_uid
+                if lost and time.monotonic() - self._rejoined_at >= REJOIN_S:
+                    await self.rejoin()
                 await self.read_dht(beam_size=2 if alone else 1)
+
+    async def rejoin(self) -> None:
+        """Ping the swarm's initial peers and every peer whose record we have read: each that answers is in
+        our DHT routing table again, and we in its.
+
+        hivemind drops a node from the routing table when a call to it fails, and never asks its initial peers
+        again after it started. A network outage that outlasts a few calls (a laptop's Wi-Fi, a router's
+        restart) emptied every node's table, and the swarm stayed split for good: each peer trained alone to
+        the end (4 real peers in network namespaces, links down 15 s: benchmarks.md, A split). A peer whose
+        addresses we were never given is dialled by its id: p2pd remembers the addresses of peers it was
+        connected to for a while (10 minutes, in libp2p's default peerstore)."""
+        self._rejoined_at = time.monotonic()
+        targets: dict[PeerID, list[Multiaddr]] = {}
+        for maddr in self.initial_peers:
+            with contextlib.suppress(Exception):
+                pid = PeerID.from_base58(maddr["p2p"])
+                targets.setdefault(pid, []).append(maddr.decapsulate(Multiaddr(f"/p2p/{maddr['p2p']}")))
+        for member in sorted(self.members):
+            with contextlib.suppress(Exception):
+                targets.setdefault(PeerID.from_base58(member), [])
+        targets.pop(self.node.peer_id, None)
+        await asyncio.gather(*(self._ping(pid, maddrs) for pid, maddrs in targets.items()))
+
+    async def _ping(self, pid: PeerID, maddrs: list[Multiaddr]) -> None:
+        try:
+            if maddrs:
+                await asyncio.wait_for(self.node.p2p._client.connect(pid, maddrs), PUSH_TIMEOUT_S)
+            await asyncio.wait_for(self.node.protocol.call_ping(pid), PUSH_TIMEOUT_S)
+        except Exception as e:  # not back yet: the next try comes
+            log.debug("could not reach a peer to rejoin through", peer=str(pid), error=repr(e))
 
     # ------------------------------------------------------------------------------ publishing
 

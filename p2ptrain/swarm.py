@@ -84,6 +84,7 @@ class WatchedDHT(ParentWatchdog, hivemind.DHT):
         self._watched_parent_pid = os.getpid()
         self._board: BoardService | None = None  # made in the child, by board("open", ...)
         self._kept_keys = frozenset(kept_keys)
+        self.joined_through: list[str] = []
         super().__init__(*args, **kwargs)
         self._outer_pipe = SerialSends(self._outer_pipe)  # type: ignore[has-type]  # hivemind's, untyped
 
@@ -166,6 +167,7 @@ def create_dht(
     # The run's keys, whose expiry the validators cap, are bounded per key only: no other key crowds them out.
     kept = [key for v in record_validators if isinstance(v, _ExpiryCap) for key in v.key_ids]
     dht = WatchedDHT(kept_keys=kept, **kwargs)
+    dht.joined_through = list(initial_peers)  # the board pings them again after an outage (board.rejoin)
     dht.start()
     # A node of a closed swarm drops whoever lacks its key as if nobody were there: either may be the cause.
     keys = (
@@ -320,6 +322,7 @@ class Swarm:
                 subkey=self._public_key,
                 ttl_s=self.record_ttl_s,
                 heartbeat_s=self.heartbeat_s,
+                initial_peers=self.dht.joined_through,
             )
         except BaseException as e:
             stop_dht(self.dht)
