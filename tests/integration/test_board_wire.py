@@ -5,6 +5,7 @@ to live, and a stranger's push is refused."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 
 import pytest
@@ -51,6 +52,20 @@ def swarm(tmp_path):
     yield join
     for board in made:
         board.shutdown()
+
+
+async def _forget(dht, node, peer: str) -> None:
+    """In the DHT child: drop ``peer``'s record and read the DHT no more, as a node whose reads miss a peer's
+    record after an outage (its routing table holding another part of the swarm than the node that stores
+    it)."""
+
+    async def no_read(beam_size: int = 2) -> None:
+        return None
+
+    board = dht._board
+    board.read_dht = no_read
+    board.entries.pop(peer, None)
+    board._changed()  # a new version of the table: the main process reads it again
 
 
 def sees(board: Swarm, peers: list[Swarm]) -> bool:
@@ -139,3 +154,22 @@ def test_a_push_from_a_node_with_no_record_in_the_run_is_refused(swarm):
     assert answer == b""  # and no record of ours in return
     assert stranger not in member.records()
     assert member.dht.board("traffic").pushes_refused == 1
+
+
+def test_two_peers_whose_reads_miss_each_other_find_each_other_through_a_push(swarm):
+    """a and b forget each other and cannot read the DHT any more; c still knows both, so their views differ
+    from c's: each pushes its record to the peers it heard from but holds no record of (board.rejoin), and
+    the other takes it. Before 2026-12-08 they never met again (bench.split: two pairs of 4 real peers after
+    an outage, every round after it void)."""
+    first = swarm()
+    a, b = swarm(first), swarm(first)
+    everyone = [first, a, b]
+    wait_until(lambda: all(sees(x, everyone) for x in everyone), "every peer to see every peer")
+    # Both at once (a push from one that still knows the other would teach it again).
+    done = [
+        a.dht.run_coroutine(functools.partial(_forget, peer=b.peer_id), return_future=True),
+        b.dht.run_coroutine(functools.partial(_forget, peer=a.peer_id), return_future=True),
+    ]
+    for future in done:
+        future.result(timeout=30)
+    wait_until(lambda: sees(a, everyone) and sees(b, everyone), "a and b to see each other again")
