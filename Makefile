@@ -43,7 +43,6 @@ bench: $(STAMP)
 	$(BIN)/python -m bench.quality --set outer.num_rounds=48 --out bench/results/quality-long.json --block quality-long
 	$(BIN)/python -m bench.compression
 	$(BIN)/python -m bench.churn
-	$(BIN)/python -m bench.split
 	$(BIN)/python -m bench.attacks --repeat 3
 	$(BIN)/python -m bench.robustness
 	$(BIN)/python -m bench.round_warmup
@@ -52,6 +51,7 @@ bench: $(STAMP)
 	$(BIN)/python -m bench.heterogeneous
 	$(BIN)/python -m bench.utilization --seeds 0 1 2
 	$(BIN)/python -m bench.link
+	$(BIN)/python -m bench.split
 	$(BIN)/python -m bench.overlap
 	$(BIN)/python -m bench.overlap --set outer.lr=0.5 --taus 3 --carries 0.5 --out bench/results/overlap-lr0.5.json --block overlap-lr0.5
 	$(BIN)/python -m bench.overlap --set outer.lr=0.9 --taus 3 --carries 0.5 --out bench/results/overlap-lr0.9.json --block overlap-lr0.9

@@ -216,6 +216,7 @@ class DiLoCo:
 
     def outer_step(self, averaged_delta: Sequence[torch.Tensor]) -> None:
         """Apply one outer SGD step with ``averaged_delta`` as the gradient; copy the result to the model."""
+        self._rebased = None  # not held past the round it was kept for (a whole model's float32 copy)
         with self.lock:
             for m, d in zip(self.master, averaged_delta):
                 m.grad = d.to(torch.float32)
@@ -227,6 +228,7 @@ class DiLoCo:
 
     def void_round(self) -> None:
         """End the round without a step: nobody's pseudo-gradient counts (the params stay, the round passes)."""
+        self._rebased = None
         with self.lock:
             self.round += 1
             self._version += 1
@@ -241,6 +243,7 @@ class DiLoCo:
     def reset_model(self) -> None:
         """Overwrite the device params with the master params (start of a round, or undoing one). Detached:
         the inner progress made since :meth:`detach` is to be dropped when the sync lands."""
+        self._rebased = None
         if self._mark_detached(keep=False):
             return
         with torch.no_grad():
@@ -382,6 +385,7 @@ class DiLoCo:
         problem = misfit("state", tensors, self.master + self.master)
         if problem is not None:
             raise ValueError(problem)
+        self._rebased = None
         with self.lock:
             for m, t in zip(self.master, tensors[:n]):
                 m.copy_(t)

@@ -229,7 +229,8 @@ class SwarmMemory:
                 r = records.get(pid)
                 if r is not None and progress_of(r) != then:
                     # It moved on since: we were cut off from it, it did not hang. Wait for it again.
-                    del self._cut_off[pid], self._waited_out[pid]
+                    self._cut_off.pop(pid, None)
+                    self._waited_out.pop(pid, None)
             for pid in distrusted:
                 self._claims.pop(pid, None)
             for pid, r in records.items():
@@ -263,15 +264,16 @@ class SwarmMemory:
     ) -> None:
         """Mark ``peers`` as waited out in ``round``.
 
-        ``nobody_ready``: the barrier found none of the round's peers ready, so it cannot tell hung peers
-        from being cut off from them (a network outage times every barrier out at once: each peer then marked
-        every other, and averaged alone for 16 rounds). It maps each of ``peers`` to its progress
-        (:func:`progress_of`) as its record showed it. Such a mark is lifted as soon as the peer is seen to
-        have moved on. A hung peer's record stays as it was, and keeps its mark.
+        ``nobody_ready``: the barrier found none of the round's peers ready, and these of ``peers`` did not
+        move during its wait, so it cannot tell whether they hung or we are cut off from them (a network
+        outage times every barrier out at once: each peer then marked every other, and averaged alone for 16
+        rounds). It maps each of them to its progress (:func:`progress_of`). Such a mark is lifted as soon as
+        the peer is seen to move on; a hung peer's record stays as it was, and keeps its mark. A peer that
+        moved during the wait is slow, not cut off: it gets the usual mark (one timeout per 16 rounds).
         """
         peers = list(peers)
-        self._mark(self._waited_out, peers, round)
         with self._lock:
+            self._waited_out.update({p: round for p in peers})
             for p in peers:
                 self._cut_off.pop(p, None)
                 if nobody_ready is not None and p in nobody_ready:
@@ -522,8 +524,8 @@ def barrier(
     skip = set(not_waited)
     if lone(me, others):
         # Nobody can load our state: those behind us come to our round by training, or never meet us.
-        training = (PeerState.TRAINING, PeerState.AVERAGING)
-        behind += [r for r in others.values() if r.round < me.round - 1 and r.state in training]
+        far = range(me.round - LONE_WAITS_BEHIND, me.round - 1)
+        behind += [r for r in others.values() if r.round in far and r.state in TRAINS]
     waiting = sorted(
         pid
         for pid in [r.peer_id for r in same if r.state != PeerState.AVERAGING] + [r.peer_id for r in behind]
@@ -538,6 +540,13 @@ def barrier(
 
 Progress = tuple[int, PeerState, int]
 
+TRAINS = (PeerState.TRAINING, PeerState.AVERAGING)
+"""The states of a peer that trains rounds (not one paused, loading, done or gone)."""
+
+LONE_WAITS_BEHIND = 16
+"""A lone peer waits for peers behind it by this many rounds at most: further behind (a newcomer that found
+nobody credible to load from, say), meeting them would cost us as many rounds of waiting."""
+
 
 def progress_of(record: ProgressRecord) -> Progress:
     """Where a peer is: its round, its state, and the samples it trained in its round (its heartbeat tells
@@ -545,18 +554,19 @@ def progress_of(record: ProgressRecord) -> Progress:
     return record.round, record.state, record.samples_round
 
 
-def waits_on(me: Me, others: Records, decision: Barrier, since: Mapping[str, Progress] | None = None) -> bool:
+def waits_on(me: Me, others: Records, decision: Barrier, since: Mapping[str, int] | None = None) -> bool:
     """Whether a barrier that timed out waits another timeout rather than steps alone: a :func:`lone` peer
-    that found nobody ready, the first time (``since`` None), and then as long as a peer it waits for moved
-    (:func:`progress_of`) since the last time (``since``: everyone's progress then). Stepping alone would
-    only take it further from the peers it has to meet: a peer behind it whose rounds take longer than a
-    barrier timeout never catches up with a lone peer that steps at each timeout. A hung peer, or one we
-    are cut off from, does not move: it costs two timeouts, and then, marked (``SwarmMemory``), none."""
+    that found nobody ready, the first time (``since`` None), and then as long as a peer it waits for came
+    a round closer since the last time (``since``: each peer's round then). Stepping alone would only take
+    it further from the peers it has to meet: a peer behind it whose rounds take longer than a barrier
+    timeout never caught up with a lone peer that stepped at each timeout. A peer that comes no closer
+    (hung, cut off, or a record that only pretends to train) costs two timeouts; one that comes closer
+    a round at a time, at most as many as it is rounds behind (:data:`LONE_WAITS_BEHIND`)."""
     if not (decision.timed_out and not decision.ready and lone(me, others)):
         return False
     if since is None:
         return True
-    return any(p in others and progress_of(others[p]) != since.get(p) for p in decision.waiting_for)
+    return any(p in others and others[p].round > since.get(p, others[p].round) for p in decision.waiting_for)
 
 
 def lone(me: Me, others: Records) -> bool:
@@ -573,7 +583,7 @@ def lone(me: Me, others: Records) -> bool:
     and the canonical vote of the round they meet in (:func:`rebase_donors`) makes their params one. A peer
     that averaged with anyone last round holds what its groupmates hold, and is not lone.
     """
-    holders = [r for r in others.values() if r.holds_params]
+    holders = [r for r in others.values() if r.state in TRAINS and r.params_hash]
     return len(holders) >= 2 and not any(
         r.round == me.round and r.params_hash == me.params_hash for r in holders
     )

@@ -876,7 +876,9 @@ class Trainer:
         """
         self.board.update(state=PeerState.AVERAGING)
         deadline = time.monotonic() + self.cfg.averaging.barrier_timeout_s
-        moved_since: dict[str, protocol.Progress] | None = None  # waiting on (protocol.waits_on): since when
+        # Where the others were as this wait (or its last extension) began: whom a timeout marks as cut off.
+        since = {p: protocol.progress_of(r) for p, r in self._visible().items()}
+        rounds_since: dict[str, int] | None = None  # waiting on (protocol.waits_on): their rounds then
         with self._waiting() as waiting:
             while True:
                 decision = self._barrier_decision(deadline)
@@ -889,9 +891,10 @@ class Trainer:
                     return None
                 others = self._visible()
                 if decision.state == BarrierState.GO and protocol.waits_on(
-                    self.me(), others, decision, moved_since
+                    self.me(), others, decision, rounds_since
                 ):
-                    moved_since = {p: protocol.progress_of(r) for p, r in others.items()}
+                    rounds_since = {p: r.round for p, r in others.items()}
+                    since = {p: protocol.progress_of(r) for p, r in others.items()}
                     deadline = time.monotonic() + self.cfg.averaging.barrier_timeout_s
                     self.log.warning(
                         "barrier timeout, nobody ready, and nobody else holds our params: waiting on while "
@@ -913,7 +916,7 @@ class Trainer:
                 if self.stop.is_set():
                     return None  # stopping: leave the round unfinished rather than step alone
         if decision.timed_out:
-            self._waited_out(decision)
+            self._waited_out(decision, since)
             self.log.warning(
                 "barrier timeout: averaging without slow peers",
                 round=self.round,
@@ -938,12 +941,14 @@ class Trainer:
                 self._assigned_over = (seed, *self._assigned_over[1:])
         return group
 
-    def _waited_out(self, decision: protocol.Barrier) -> None:
-        """The peers a timed-out barrier waited for are not waited for again for a while (unless nobody was
-        ready: then only until they move, see :meth:`SwarmMemory.waited_out_on`)."""
-        seen = {p: protocol.progress_of(r) for p, r in self._visible().items()}
+    def _waited_out(self, decision: protocol.Barrier, since: dict[str, protocol.Progress]) -> None:
+        """The peers a timed-out barrier waited for are not waited for again for a while; when nobody was
+        ready, those that did not move during the wait (``since``: where they were as it began) only until
+        they move (:meth:`SwarmMemory.waited_out_on`)."""
+        now = {p: protocol.progress_of(r) for p, r in self._visible().items()}
+        frozen = {p: now[p] for p in decision.waiting_for if p in now and since.get(p) == now[p]}
         self.memory.waited_out_on(
-            decision.waiting_for, self.round, nobody_ready=None if decision.ready else seen
+            decision.waiting_for, self.round, nobody_ready=None if decision.ready else frozen
         )
 
     def settle(self, ready: list[ProgressRecord]) -> list[ProgressRecord] | None:

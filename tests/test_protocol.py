@@ -366,6 +366,9 @@ def test_a_peer_whose_params_nobody_else_holds_is_lone():
     # One other holder believes our claim (protocol.credible): it can load our state. Loading peers hold none.
     assert not protocol.lone(me(3, "aa"), table(rec("a", 1, h="bb"), rec("b", 1, "loading", h="bb")))
     assert not protocol.lone(me(3, "aa"), {})
+    # Paused or finished peers train no rounds: a volunteer's peers paused at older rounds make nobody lone.
+    idle = table(rec("a", 1, "paused", h="bb"), rec("b", 9, "done", h="cc"), rec("c", 2, h="dd"))
+    assert not protocol.lone(me(3, "aa"), idle)
 
 
 def test_a_lone_peer_waits_for_every_peer_behind_it_and_only_a_lone_one_does():
@@ -383,6 +386,10 @@ def test_a_lone_peer_waits_for_every_peer_behind_it_and_only_a_lone_one_does():
     held = {**scattered, "g": rec("g", 3, "averaging", h="aa")}
     d = protocol.barrier(me(3, "aa"), held, now=0, deadline=10)
     assert d.state == BarrierState.GO and [r.peer_id for r in d.ready] == ["g"]
+    # Nor one further behind than LONE_WAITS_BEHIND rounds (meeting it would cost as many rounds of waiting).
+    at = 30
+    far = table(rec("a", at - 2, h="bb"), rec("f", at - protocol.LONE_WAITS_BEHIND - 1, h="ee"))
+    assert protocol.barrier(me(at, "aa"), far, now=0, deadline=10).waiting_for == ["a"]
     # A peer waited out (hung: its record has not moved since) is not waited for, lone or not.
     d = protocol.barrier(me(3, "aa"), scattered, now=0, deadline=10, not_waited={"b"})
     assert d.waiting_for == ["a"]
@@ -393,11 +400,14 @@ def test_a_lone_peer_whose_barrier_found_nobody_ready_waits_on():
     timed_out = protocol.barrier(me(3, "aa"), scattered, now=10, deadline=10)
     assert timed_out.state == BarrierState.GO and timed_out.timed_out and not timed_out.ready
     assert protocol.waits_on(me(3, "aa"), scattered, timed_out)
-    # Then, timeout after timeout, as long as one of them moved since the last: not for those that do not.
-    since = {pid: protocol.progress_of(r) for pid, r in scattered.items()}
+    # Then, timeout after timeout, as long as one of them came a round closer since the last: a record
+    # that only pretends to train (its samples move, its round does not) holds us no longer.
+    since = {pid: r.round for pid, r in scattered.items()}
     assert not protocol.waits_on(me(3, "aa"), scattered, timed_out, since)
-    moved = {**scattered, "a": scattered["a"].copy(update={"samples_round": 16})}
-    assert protocol.waits_on(me(3, "aa"), moved, timed_out, since)
+    busy = {**scattered, "a": scattered["a"].copy(update={"samples_round": 16})}
+    assert not protocol.waits_on(me(3, "aa"), busy, timed_out, since)
+    closer = {**scattered, "b": scattered["b"].copy(update={"round": 1})}
+    assert protocol.waits_on(me(3, "aa"), closer, timed_out, since)
     # Someone was ready: go with it. Not lone: step alone (the others behind can load our state).
     with_one = {**scattered, "r": rec("r", 3, "averaging", h="dd")}
     assert not protocol.waits_on(

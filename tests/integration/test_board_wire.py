@@ -60,7 +60,7 @@ async def _forget(dht, node, peer: str) -> None:
     it)."""
 
     async def no_read(beam_size: int = 2) -> None:
-        return None
+        board._read_at = time.monotonic()  # as a read that found nothing: discovery sleeps its period
 
     board = dht._board
     board.read_dht = no_read

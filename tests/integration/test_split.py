@@ -22,7 +22,8 @@ def test_peers_cut_off_from_each_other_come_back_together_and_end_with_one_model
     result = split.run("test", [], rounds=40, at_round=3, seconds=12, workdir=tmp_path, peers=3)
     assert result["exit_codes"] == [0, 0, 0], result
     assert result["cut_s"] is not None, "the run ended before the links came back"
-    # Every peer stepped alone while cut off: the cut did what it should.
-    assert all(result["group_sizes"][str(r)] != [3, 3, 3] for r in range(4, 6)), result["group_sizes"]
-    assert result["first_round_all_together_after_the_cut"] is not None, result["group_sizes"]
+    together = result["first_round_all_together_after_the_cut"]
+    assert together is not None, result["group_sizes"]
+    # Rounds after the cut began and before they met again were not averaged by all three: it did cut.
+    assert any(result["group_sizes"][str(r)] != [3, 3, 3] for r in range(4, together)), result["group_sizes"]
     assert result["one_final_model"], result
